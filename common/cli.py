@@ -1,0 +1,69 @@
+"""Command-line pieces shared by the numbered scripts: the run folder, the default target,
+and the one-line error exit of the command-line contract.
+
+Every script run with no arguments works on the built-in default: the Kimi-style miniature
+target (generated on first use into `.cache/targets/`), the shipped demo conversations and the
+run folder `runs/default/`. Each stage finds the previous stage's output under `--run-dir`;
+every path stays overridable by its own flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from common.fixtures import DEMO_CONVERSATIONS, REPO_ROOT, ensure_target
+
+DEFAULT_RUN_DIR = REPO_ROOT / "runs" / "default"
+STAGE_DIRS = {
+    "prepared": "prepared",
+    "hidden_states": "hidden_states",
+    "vocab": "vocab",
+    "checkpoints": "checkpoints",
+    "draft": "draft",
+}
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """`--run-dir`, `--target` and `--trust-remote-code`, common to every stage."""
+    group = parser.add_argument_group("run")
+    group.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
+                       help="folder holding every stage's output (default: %(default)s)")
+    group.add_argument("--target", type=Path, default=None,
+                       help="target model folder (default: the built-in Kimi-style miniature target)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="allow the target's own config/tokenizer code (needed for Kimi-K2.5)")
+
+
+def stage_dir(args: argparse.Namespace, stage: str, override: Path | None = None) -> Path:
+    """The folder of `stage`: the explicit flag if given, else `RUN_DIR/<stage>`."""
+    return Path(override) if override is not None else Path(args.run_dir) / STAGE_DIRS[stage]
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[Path, bool]:
+    """(target folder, trust_remote_code). The built-in default target is the project's own
+    code, so remote code is trusted for it without the flag."""
+    if args.target is None:
+        return ensure_target("kimi"), True
+    return Path(args.target), bool(args.trust_remote_code)
+
+
+def default_input() -> list[Path]:
+    return [DEMO_CONVERSATIONS]
+
+
+def run_main(main: Callable[[], int | None]) -> None:
+    """Run a script's `main`, turning expected failures into one line on stderr and exit 1,
+    and Ctrl-C into exit 130 (atomic writes mean nothing partial is left under a final name)."""
+    from common.errors import PipelineError
+
+    try:
+        sys.exit(main() or 0)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: finished files are kept; run the same command again to resume", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,297 @@
+"""Miniature targets: a Kimi-K2.5-shaped checkpoint and an ordinary flat causal LM.
+
+No test may download weights, so the project writes its own targets, deterministic from a
+seed. The Kimi-style one has everything that makes the real Kimi-K2.5 awkward for generic
+tools: a nested config read through remote code (`trust_remote_code`), weights under
+`language_model.*` next to `vision_tower.*`/`mm_projector.*` in several shards, an untied
+lm_head, Kimi's 163840-token vocabulary with its special tokens at their real ids, and a slow
+tiktoken tokenizer with Kimi's chat format. The flat one is a plain Llama with a fast tokenizer
+and a ChatML template.
+
+    python -m common.fixtures kimi DIR     # Kimi-style target
+    python -m common.fixtures flat DIR     # flat target
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
+KIMI_CODE_DIR = Path(__file__).resolve().parent / "kimi_k25_code"
+DEFAULT_CACHE = REPO_ROOT / ".cache" / "targets"
+FIXTURE_VERSION = 2  # bump when the generated targets change, so caches are rebuilt
+
+KIMI_VOCAB_SIZE = 163840
+KIMI_SPECIAL_TOKENS = {
+    163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>",
+    163588: "<|im_assistant|>", 163593: "[EOT]", 163594: "<|im_system|>",
+    163595: "<|tool_calls_section_begin|>", 163596: "<|tool_calls_section_end|>",
+    163597: "<|tool_call_begin|>", 163598: "<|tool_call_argument_begin|>", 163599: "<|tool_call_end|>",
+    163601: "<|im_middle|>", 163602: "<|media_begin|>", 163603: "<|media_content|>",
+    163604: "<|media_end|>", 163605: "<|media_pad|>", 163606: "<think>", 163607: "</think>",
+    163838: "[UNK]", 163839: "[PAD]",
+}
+KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+
+# Kimi-K2.5's chat format: `<|im_ROLE|>NAME<|im_middle|>CONTENT<|im_end|>`, no BOS, a default
+# system prompt when none is given, assistant turns after the last user message keep their
+# reasoning in `<think>...</think>`, earlier ones an empty `<think></think>`, and the
+# generation prompt ends with `<think>`.
+KIMI_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>" + KIMI_DEFAULT_SYSTEM + "<|im_end|>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- set name = m.get('name') or m['role'] -%}"
+    "{%- if m['role'] == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>{{ name }}<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user -%}<think>{{ m.get('reasoning_content') or '' }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ m['content'] }}<|im_end|>"
+    "{%- else -%}<|im_system|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|><think>{%- endif -%}"
+)
+
+FLAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# ChatML with Qwen3-style reasoning blocks inside the assistant content.
+FLAT_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and m.get('reasoning_content') %}"
+    "<think>\n{{ m['reasoning_content'] }}\n</think>\n\n"
+    "{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{% endif %}"
+)
+
+BPE_SIZE = 4096
+YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_TEXT_CONFIG = {
+    "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": KIMI_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_hidden_layers": 8, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "norm_topk_prob": True, "routed_scaling_factor": 2.827,
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+    "rope_scaling": YARN, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
+    "initializer_range": 0.02, "attention_bias": False, "torch_dtype": "bfloat16",
+}
+KIMI_VISION_CONFIG = {
+    "patch_size": 4, "num_attention_heads": 2, "num_hidden_layers": 2, "hidden_size": 16,
+    "intermediate_size": 32, "merge_kernel_size": [2, 2], "mm_projector_type": "patchmerger",
+    "mm_hidden_size": 64,
+}
+FLAT_MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "initializer_range": 0.02, "torch_dtype": "bfloat16",
+}
+
+
+def demo_corpus(path: Path = DEMO_CONVERSATIONS) -> list[str]:
+    """Every text field of the demo conversations: the BPE training corpus of both targets."""
+    texts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        for message in json.loads(line)["messages"]:
+            texts += [message["content"], message.get("reasoning_content") or ""]
+    return [t for t in texts if t]
+
+
+def train_byte_bpe(texts: list[str], vocab_size: int, special_tokens: list[str] = ()) -> Tokenizer:
+    """A byte-level BPE trained on `texts` (deterministic for a given corpus)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def tiktoken_ranks(tokenizer: Tokenizer) -> str:
+    """Convert a byte-level BPE vocabulary to tiktoken's `base64(bytes) rank` lines.
+
+    Merged tokens get ids in merge order, so the id works as tiktoken's merge rank."""
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return "".join(f"{base64.b64encode(bytes(byte_decoder[c] for c in tok)).decode()} {rank}\n" for tok, rank in vocab)
+
+
+def _write_shards(state: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
+    """Save `state` as `num_shards` safetensors files plus the Hugging Face index."""
+    keys = list(state)
+    per = -(-len(keys) // num_shards)
+    weight_map, total = {}, 0
+    for s in range(num_shards):
+        name = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {k: state[k].contiguous() for k in keys[s * per:(s + 1) * per]}
+        save_file(part, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+        total += sum(t.numel() * t.element_size() for t in part.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _random_state(model: torch.nn.Module, seed: int, live_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 weights. Embedding and lm_head get a wider init than the default
+    0.02, so the miniature's next-token distributions are peaked like a trained model's
+    rather than nearly uniform (the draft must have something to learn). lm_head rows of ids
+    outside `live_ids` (ids no text ever tokenizes to) are zero, so that like a trained model
+    the target predicts tokens of its tokenizer, not one of the 160K unused ids."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm.bias"):
+            value = torch.ones_like(tensor) if name.endswith("weight") else torch.zeros_like(tensor)
+        elif "e_score_correction_bias" in name or name.endswith(".bias"):
+            value = torch.zeros_like(tensor)
+        else:
+            std = 0.5 if ("embed_tokens" in name or "lm_head" in name) else 0.08
+            value = torch.randn(tensor.shape, generator=g) * std
+        if live_ids is not None and name.endswith("lm_head.weight"):
+            dead = torch.ones(value.shape[0], dtype=torch.bool)
+            dead[live_ids] = False
+            value[dead] = 0
+        state[name] = value.to(torch.bfloat16)
+    return state
+
+
+def write_kimi_target(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the Kimi-K2.5-shaped miniature target into `out_dir`."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from common.kimi_k25_code.configuration_kimi_k25 import KimiK25VisionConfig
+    from common.kimi_k25_code.modeling_kimi_k25 import MoonViTStub, PatchMergerProjector
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("configuration_kimi_k25.py", "modeling_kimi_k25.py", "tokenization_kimi.py"):
+        shutil.copy(KIMI_CODE_DIR / name, out / name)
+
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k25.KimiK25Config",
+            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+            "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+        },
+        "model_type": "kimi_k25", "tie_word_embeddings": False,
+        "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
+        "media_placeholder_token_id": 163605, "ignore_index": -100,
+        "text_config": KIMI_TEXT_CONFIG, "vision_config": KIMI_VISION_CONFIG,
+        "torch_dtype": "bfloat16", "transformers_version": "4.57.6",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    # Tokenizer: a small BPE over the demo corpus, Kimi's specials at their real ids.
+    bpe = train_byte_bpe(demo_corpus(), BPE_SIZE)
+    (out / "tiktoken.model").write_text(tiktoken_ranks(bpe))
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in KIMI_SPECIAL_TOKENS.items()}
+    tokenizer_config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]",
+        "added_tokens_decoder": added, "additional_special_tokens": ["<|im_end|>", "<|im_user|>",
+        "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<think>", "</think>"],
+        "model_max_length": 262144, "chat_template": KIMI_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+
+    # Weights: the text model under `language_model.`, plus the vision keys of the real checkpoint.
+    torch.manual_seed(seed)
+    text = DeepseekV3ForCausalLM(DeepseekV3Config(**KIMI_TEXT_CONFIG))
+    live = torch.tensor(list(range(bpe.get_vocab_size())) + list(KIMI_SPECIAL_TOKENS))
+    state = {f"language_model.{k}": v for k, v in _random_state(text, seed, live).items()}
+    vcfg = KimiK25VisionConfig(**KIMI_VISION_CONFIG)
+    for prefix, module in (("vision_tower", MoonViTStub(vcfg)), ("mm_projector", PatchMergerProjector(vcfg))):
+        state.update({f"{prefix}.{k}": t for k, t in _random_state(module, seed + 1).items()})
+    _write_shards(state, out, num_shards=4)
+
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 163584, "eos_token_id": 163586}))
+    return out
+
+
+def write_flat_target(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the ordinary flat miniature target (Llama, fast tokenizer, ChatML) into `out_dir`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bpe = train_byte_bpe(demo_corpus(), BPE_SIZE, special_tokens=FLAT_SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+    tokenizer.chat_template = FLAT_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+    ids = {t: bpe.token_to_id(t) for t in FLAT_SPECIAL_TOKENS}
+    config = LlamaConfig(**{**FLAT_MODEL_CONFIG, "vocab_size": bpe.get_vocab_size(),
+                            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+                            "pad_token_id": ids["<|endoftext|>"]})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.load_state_dict({k: v.float() for k, v in _random_state(model, seed).items()})
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="200KB")
+    return out
+
+
+WRITERS = {"kimi": write_kimi_target, "flat": write_flat_target}
+
+
+def ensure_target(kind: str = "kimi", cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """The cached miniature target of `kind`, generated on first use (atomically: a complete
+    folder appears under its final name or not at all)."""
+    final = cache_dir / f"{kind}-v{FIXTURE_VERSION}"
+    if (final / "config.json").exists():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=cache_dir))
+    WRITERS[kind](tmp)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write a miniature target checkpoint.")
+    parser.add_argument("kind", choices=sorted(WRITERS))
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = WRITERS[args.kind](args.out_dir, seed=args.seed)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote the {args.kind} miniature target to {out} ({len(files)} files)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

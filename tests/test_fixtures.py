@@ -1,0 +1,148 @@
+"""The miniature targets look like what they imitate, and common/target.py reads both."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, DeepseekV3ForCausalLM
+
+from common.fixtures import KIMI_DEFAULT_SYSTEM, KIMI_SPECIAL_TOKENS, main, write_kimi_target
+from common.target import TargetError, load_target_info, load_text_model, read_tensors, weight_map
+
+
+def test_kimi_config_is_nested_like_the_real_one(kimi_target):
+    raw = json.loads((kimi_target / "config.json").read_text())
+    assert raw["model_type"] == "kimi_k25" and raw["tie_word_embeddings"] is False
+    assert raw["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert raw["auto_map"]["AutoConfig"] == "configuration_kimi_k25.KimiK25Config"
+    text = raw["text_config"]
+    assert text["model_type"] == "kimi_k2" and text["vocab_size"] == 163840
+    assert text["num_hidden_layers"] >= 8 and text["first_k_dense_replace"] == 1
+    assert text["rope_scaling"]["type"] == "yarn" and text["rope_theta"] == 50000.0
+    assert {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"} <= set(text)
+    assert "vision_config" in raw and "hidden_size" not in raw
+
+    config = AutoConfig.from_pretrained(kimi_target, trust_remote_code=True)
+    assert type(config).__name__ == "KimiK25Config"
+    assert not hasattr(config, "hidden_size")  # the trap for generic tools
+    assert config.text_config.hidden_size == text["hidden_size"]
+    assert type(config.vision_config).__name__ == "KimiK25VisionConfig"
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoConfig.from_pretrained(kimi_target, trust_remote_code=False)
+
+
+def test_kimi_weights_use_real_key_names_and_load_into_deepseek_v3(kimi_target):
+    wmap = weight_map(kimi_target)
+    shards = set(wmap.values())
+    assert len(shards) > 1 and all((kimi_target / s).is_file() for s in shards)
+    assert {"language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+            "language_model.model.norm.weight"} <= set(wmap)
+    assert any(k.startswith("language_model.model.layers.7.") for k in wmap)
+    assert any(k.startswith("vision_tower.") for k in wmap) and any(k.startswith("mm_projector.") for k in wmap)
+    assert not any(k.startswith("model.") or k == "lm_head.weight" for k in wmap)
+
+    text = {k.removeprefix("language_model."): v
+            for k, v in read_tensors(kimi_target, [k for k in wmap if k.startswith("language_model.")]).items()}
+    config = AutoConfig.from_pretrained(kimi_target, trust_remote_code=True).text_config
+    model = DeepseekV3ForCausalLM(config)
+    result = model.load_state_dict(text, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    # layer 0 dense, MoE after it
+    assert hasattr(model.model.layers[0].mlp, "gate_proj") and hasattr(model.model.layers[1].mlp, "experts")
+    assert not torch.equal(text["lm_head.weight"], text["model.embed_tokens.weight"])  # untied
+
+
+def test_kimi_target_is_deterministic(kimi_target, tmp_path):
+    again = write_kimi_target(tmp_path / "again")
+    name = "language_model.model.layers.3.self_attn.q_a_proj.weight"
+    assert torch.equal(read_tensors(kimi_target, [name])[name], read_tensors(again, [name])[name])
+    assert (kimi_target / "tiktoken.model").read_text() == (again / "tiktoken.model").read_text()
+
+
+def test_kimi_tokenizer_is_slow_with_real_special_ids_and_chat_format(kimi_target):
+    tok = AutoTokenizer.from_pretrained(kimi_target, trust_remote_code=True)
+    assert not tok.is_fast and type(tok).__name__ == "TikTokenTokenizer"
+    for i, name in KIMI_SPECIAL_TOKENS.items():
+        assert tok.convert_tokens_to_ids(name) == i
+    with pytest.raises(NotImplementedError):
+        tok("hello", return_offsets_mapping=True)
+
+    text = "Hello world, 你好世界! 12345"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert max(ids) < 163584 and tok.decode(ids) == text
+
+    msgs = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Goodbye.", "reasoning_content": "Say bye."}]
+    rendered = tok.apply_chat_template(msgs, tokenize=False)
+    assert rendered == (
+        f"<|im_system|>system<|im_middle|>{KIMI_DEFAULT_SYSTEM}<|im_end|>"
+        "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>Hello!<|im_end|>"
+        "<|im_user|>user<|im_middle|>Bye<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>Say bye.</think>Goodbye.<|im_end|>")
+    with_system = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, msgs[0]], tokenize=False,
+                                          add_generation_prompt=True)
+    assert with_system == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
+                           "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
+    assert not rendered.startswith("[BOS]") and tok.encode(rendered, add_special_tokens=False)[0] == 163594
+
+
+def test_flat_target_is_an_ordinary_causal_lm(flat_target):
+    config = AutoConfig.from_pretrained(flat_target)
+    assert config.model_type == "llama" and config.num_hidden_layers >= 8 and config.hidden_size == 64
+    tok = AutoTokenizer.from_pretrained(flat_target)
+    assert tok.is_fast and config.vocab_size == len(tok)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "reasoning_content": "hm"}]
+    assert tok.apply_chat_template(msgs, tokenize=False) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nhm\n</think>\n\nYo<|im_end|>\n")
+    assert all(k.startswith(("model.", "lm_head.")) for k in weight_map(flat_target))
+
+
+@pytest.mark.parametrize("kind", ["kimi", "flat"])
+def test_target_info_and_text_model(kind, request):
+    path = request.getfixturevalue(f"{kind}_target")
+    info = load_target_info(path, trust_remote_code=True)
+    assert info.hidden_size == 64 and info.num_layers == 8 and info.default_layer_ids() == [2, 4, 5]
+    assert info.nested == (kind == "kimi")
+    assert info.text_architecture == ("DeepseekV3ForCausalLM" if kind == "kimi" else "LlamaForCausalLM")
+    model = load_text_model(info, dtype=torch.float32)
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    assert out.logits.shape == (1, ids.shape[1], info.vocab_size)
+    assert len(out.hidden_states) == info.num_layers + 1
+    if kind == "kimi":  # like a trained model, it predicts ids its tokenizer makes, not one of 160K unused ids
+        n_bpe = len((path / "tiktoken.model").read_text().splitlines())
+        pred = out.logits.argmax(-1)
+        assert ((pred < n_bpe) | (pred >= 163584)).all()
+
+
+def test_target_errors_name_the_folder(tmp_path, kimi_target):
+    with pytest.raises(TargetError, match=str(tmp_path / "nope")):
+        load_target_info(tmp_path / "nope")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((kimi_target / "config.json").read_text())
+    for name in ("configuration_kimi_k25.py",):
+        (no_weights / name).write_text((kimi_target / name).read_text())
+    info = load_target_info(no_weights)
+    with pytest.raises(TargetError, match="no weights"):
+        load_text_model(info)
+    not_lm = tmp_path / "not_lm"
+    not_lm.mkdir()
+    (not_lm / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 8}))
+    with pytest.raises(TargetError, match="not a causal language model"):
+        load_target_info(not_lm)
+    with pytest.raises(TargetError, match="trust-remote-code"):
+        load_target_info(kimi_target, trust_remote_code=False)
+
+
+def test_fixtures_command_line(tmp_path, capsys):
+    assert main(["flat", str(tmp_path / "flat")]) == 0
+    assert "wrote the flat miniature target" in capsys.readouterr().out
+    assert (tmp_path / "flat" / "tokenizer.json").is_file()
