@@ -21,6 +21,19 @@ import torch
 TMP_PREFIX = ".tmp-"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename `tmp` onto `final` with ordinary permissions (mkstemp/mkdtemp create private
+    0600/0700 entries; the result should be readable like any file the user writes)."""
+    os.chmod(tmp, (0o777 if tmp.is_dir() else 0o666) & ~_umask())
+    os.replace(tmp, final)
+
+
 @contextmanager
 def atomic_path(final: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `final`; rename it onto `final` when the block succeeds."""
@@ -33,7 +46,7 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
-        os.replace(tmp, final)
+        _publish(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -64,7 +77,7 @@ def write_dir(final: str | Path, fill: Callable[[Path], None]) -> None:
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-        os.replace(tmp, final)
+        _publish(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

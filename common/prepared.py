@@ -38,6 +38,10 @@ class PrepareReport:
     mean_tokens: float = 0.0
     max_tokens: int = 0
     supervised_share: float = 0.0
+    max_samples: int | None = None  # --max-samples: a random subset of the valid conversations
+    seed: int = 0  # --seed of that subset
+    not_selected: int = 0  # valid conversations left out by --max-samples
+    drop_examples: dict[str, str] = field(default_factory=dict)  # reason -> first sample and detail
     format_version: int = FORMAT_VERSION
 
     def save(self, folder: str | Path) -> None:

@@ -1,0 +1,247 @@
+"""Render a conversation with the target tokenizer's own chat template and build its loss mask.
+
+The mask is 1 on what the model should learn to say: each assistant turn after its role header
+(`<|im_assistant|>assistant<|im_middle|>` for Kimi, `<|im_start|>assistant\\n` for ChatML)
+through its end-of-turn token, so the thinking block, the content and `<|im_end|>`.
+
+No offset mapping is needed (Kimi's tokenizer is a slow tiktoken one without them), and nothing
+is specific to one model; everything is read off the template's own output:
+
+1. Spans in the text. The conversation is rendered twice: as is, and with every content and
+   reasoning string replaced by a unique sentinel. The sentinel rendering splits into the
+   template's literal text and the places of each string; walking both renderings side by side
+   locates every string in the real text (templates may trim it). Rendering prefixes
+   `messages[:i]` would not work: Kimi renders an assistant turn differently (with or without
+   its reasoning) depending on whether a user message follows it.
+2. The supervised span of an assistant turn starts after the last assistant header in the
+   literal text before its first string, and ends after the first special token (the
+   end-of-turn token) in the literal text after its last string. The assistant header is the
+   generation prompt cut after the role separator (the text the template puts between a role
+   name and its content, read off a user turn): Kimi's generation prompt ends with `<think>`,
+   which belongs to the supervised turn.
+3. Tokens. The text is tokenized once. Tokenizers split added tokens off before anything else,
+   so the special ids in the result match, in order, the special tokens found in the text, and
+   the runs of ids between them match the text between them (checked on every sample). A span
+   boundary inside such a run (ChatML's `assistant\\n` header is plain text) is placed by
+   tokenizing the run's text up to the boundary and comparing it with the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from common.conversations import Message
+from common.errors import PipelineError
+
+__all__ = ["ChatMasker", "Encoded", "MaskError", "template_sha256"]
+
+# Drop reasons of this stage (the report's keys).
+TEMPLATE_ERROR = "template_error"
+TEMPLATE_MISMATCH = "template_mismatch"
+TOKENIZER_MISMATCH = "tokenizer_mismatch"
+NO_SUPERVISED_TOKENS = "no_supervised_tokens"
+
+# Private-use code points: no template alters them and no real text contains them.
+SENTINEL = "\ue000{}\ue001"
+SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+
+# No system message: some templates (Gemma's) reject one.
+PROBE = (
+    Message("user", "What is 2 + 2?"),
+    Message("assistant", "It is 4.", "Add the numbers."),
+    Message("user", "And 3 + 3?\n"),
+    Message("assistant", " 6, of course.\n", "Again, add them."),
+)
+
+
+class MaskError(Exception):
+    """One conversation that cannot be rendered or masked; `reason` is a report key."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on supervised tokens
+
+
+def template_sha256(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.get_chat_template().encode("utf-8")).hexdigest()
+
+
+class ChatMasker:
+    """Encodes conversations for one tokenizer; built once, then `encode` per conversation."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        try:
+            tokenizer.get_chat_template()
+        except ValueError as e:
+            raise PipelineError(f"tokenizer {tokenizer.name_or_path}: no chat template ({e})") from e
+        # Added tokens the tokenizer splits off verbatim (no stripping or normalisation).
+        self.cut_ids = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
+                        if not (t.lstrip or t.rstrip or t.single_word) and (t.special or not t.normalized)}
+        self._cut_id_set = set(self.cut_ids.values())
+        self._cut_re = re.compile("|".join(map(re.escape, sorted(self.cut_ids, key=len, reverse=True))) or "(?!)")
+        try:
+            self.header = self._assistant_header()
+            self._check_probe()
+        except MaskError as e:
+            raise PipelineError(f"tokenizer {tokenizer.name_or_path}: cannot build loss masks ({e})") from e
+
+    # --- public -----------------------------------------------------------------------------
+
+    def encode(self, messages: Sequence[Message]) -> Encoded:
+        """Token ids of the rendered conversation and their loss mask; MaskError if unusable."""
+        text, spans = self.render_with_spans(messages)
+        ids = self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
+        return Encoded(ids, self._mask(text, ids, spans))
+
+    def render_with_spans(self, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans [start, end) that are supervised."""
+        values: list[str] = []
+        owners: list[int] = []  # value index -> message index
+        real, marked = [], []
+        for j, m in enumerate(messages):
+            fields = {"content": m.content}
+            if m.reasoning is not None:
+                fields["reasoning_content"] = m.reasoning
+            real.append({"role": m.role, **fields})
+            marked.append({"role": m.role, **{k: SENTINEL.format(len(values) + n) for n, k in enumerate(fields)}})
+            values += fields.values()
+            owners += [j] * len(fields)
+        text = self._render(real)
+        placed = _align(self._render(marked), text, values)
+        by_message: dict[int, list[int]] = {}
+        for i, (key, _, _) in enumerate(placed):
+            by_message.setdefault(owners[key], []).append(i)
+        spans = [self._span(text, placed, by_message[j]) for j, m in enumerate(messages)
+                 if m.role == "assistant" and j in by_message]
+        return text, spans
+
+    # --- template analysis ------------------------------------------------------------------
+
+    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            raise MaskError(TEMPLATE_ERROR, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+
+    def _assistant_header(self) -> str:
+        """The text that opens an assistant turn: the generation prompt, cut after the role
+        separator read off a user turn (`<|im_middle|>` for Kimi, `\\n` for ChatML)."""
+        user = [{"role": "user", "content": SENTINEL.format(0)}]
+        without, with_prompt = self._render(user), self._render(user, generation_prompt=True)
+        if not with_prompt.startswith(without):
+            raise MaskError(TEMPLATE_MISMATCH, "the generation prompt is not appended to the conversation")
+        prompt = with_prompt[len(without):]
+        user_header = without[:without.index(SENTINEL.format(0))]
+        name = user_header.rfind("user")
+        separator = user_header[name + len("user"):] if name >= 0 else ""
+        cut = prompt.find(separator) if separator else -1
+        return prompt[:cut + len(separator)] if cut >= 0 else prompt
+
+    def _check_probe(self) -> None:
+        """Every probe assistant turn must become one run of supervised tokens."""
+        mask = self.encode(PROBE).loss_mask
+        runs = sum(1 for prev, cur in zip([0, *mask], mask) if cur and not prev)
+        turns = sum(m.role == "assistant" for m in PROBE)
+        if runs != turns:
+            raise MaskError(TEMPLATE_MISMATCH, f"{turns} assistant turns gave {runs} runs of supervised tokens")
+
+    def _span(self, text: str, placed: list[tuple[int, int, int]], mine: list[int]) -> tuple[int, int]:
+        first, last = placed[mine[0]], placed[mine[-1]]
+        literal_start = placed[mine[0] - 1][2] if mine[0] else 0
+        header = text.rfind(self.header, literal_start, first[1])
+        if header < 0:
+            raise MaskError(TEMPLATE_MISMATCH, f"assistant header {self.header!r} not found before a turn")
+        literal_end = placed[mine[-1] + 1][1] if mine[-1] + 1 < len(placed) else len(text)
+        end_of_turn = self._cut_re.search(text, last[2], literal_end)
+        return header + len(self.header), end_of_turn.end() if end_of_turn else last[2]
+
+    # --- tokens -----------------------------------------------------------------------------
+
+    def _mask(self, text: str, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
+        cuts = list(self._cut_re.finditer(text))
+        positions = [i for i, t in enumerate(ids) if t in self._cut_id_set]
+        if [ids[i] for i in positions] != [self.cut_ids[m.group()] for m in cuts]:
+            raise MaskError(TOKENIZER_MISMATCH, "the special tokens in the ids do not match those in the text")
+        mask = [0] * len(ids)
+        char, token = 0, 0
+        for cut, position in zip([*cuts, None], [*positions, len(ids)]):
+            run_end = cut.start() if cut else len(text)
+            self._mark_run(text, char, run_end, ids, token, position, spans, mask)
+            if cut:
+                mask[position] = int(_inside(cut.start(), spans))
+                char, token = cut.end(), position + 1
+        return mask
+
+    def _mark_run(self, text: str, start: int, end: int, ids: list[int], first: int, stop: int,
+                  spans: list[tuple[int, int]], mask: list[int]) -> None:
+        """Mark the ids[first:stop] that encode text[start:end] (no special token inside)."""
+        if start == end:
+            if stop > first:
+                raise MaskError(TOKENIZER_MISMATCH, "ids between adjacent special tokens")
+            return
+        chars, tokens = [start], [first]
+        for boundary in sorted({b for span in spans for b in span if start < b < end}):
+            left = self.tokenizer.encode(text[start:boundary], add_special_tokens=False, verbose=False)
+            k = _common_prefix(left, ids[first:stop])
+            if k < len(left) and not _inside(boundary, spans):
+                k += 1  # a token across the end of a span is supervised, like one across its start
+            chars.append(boundary)
+            tokens.append(min(max(first + k, tokens[-1]), stop))
+        tokens.append(stop)
+        for char, lo, hi in zip(chars, tokens, tokens[1:]):
+            if _inside(char, spans):
+                mask[lo:hi] = [1] * (hi - lo)
+
+
+def _inside(char: int, spans: list[tuple[int, int]]) -> bool:
+    return any(lo <= char < hi for lo, hi in spans)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _align(skeleton: str, text: str, values: list[str]) -> list[tuple[int, int, int]]:
+    """(value index, start, end) of each sentinel of `skeleton` in the real rendering `text`."""
+    parts = SENTINEL_RE.split(skeleton)
+    literals, keys = parts[0::2], [int(k) for k in parts[1::2]]
+    if not text.startswith(literals[0]):
+        raise MaskError(TEMPLATE_MISMATCH, "the template renders differently around the messages")
+    pos, placed = len(literals[0]), []
+    for key, literal in zip(keys, literals[1:]):
+        end = _value_end(text, pos, values[key], literal)
+        placed.append((key, pos, end))
+        pos = end + len(literal)
+    if pos != len(text):
+        raise MaskError(TEMPLATE_MISMATCH, "the template renders differently around the messages")
+    return placed
+
+
+def _value_end(text: str, pos: int, value: str, literal: str) -> int:
+    """Where the rendering of `value` that starts at `pos` ends (templates may trim it)."""
+    for candidate in (value, value.strip()):
+        end = pos + len(candidate)
+        if text.startswith(candidate, pos) and text.startswith(literal, end):
+            return end
+    end = text.find(literal, pos) if literal else -1
+    if end < 0:
+        raise MaskError(TEMPLATE_MISMATCH, "a message's text cannot be located in the rendering")
+    return end
