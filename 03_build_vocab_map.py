@@ -23,6 +23,7 @@ from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.errors import PipelineError
+from common.fixtures import MINIATURE_DRAFT_VOCAB_SIZE
 from common.prepared import load_prepared
 from common.target import load_target_info
 from common.vocab import (
@@ -47,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--output", type=Path, default=None, help="output folder (default: RUN_DIR/vocab)")
     vocab = parser.add_argument_group("vocabulary")
     vocab.add_argument("--draft-vocab-size", type=int, default=None,
-                       help=f"draft vocabulary size (default: {DEFAULT_DRAFT_VOCAB_SIZE}, "
-                            "or the target's vocabulary if smaller)")
+                       help=f"draft vocabulary size (default: {DEFAULT_DRAFT_VOCAB_SIZE}, or the target's "
+                            f"vocabulary if smaller; {MINIATURE_DRAFT_VOCAB_SIZE} for the built-in miniature target)")
     vocab.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
                        help="samples read per Arrow batch while counting (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     check_prepared_target(prepared.target, prepared.vocab_size, info.path, info.vocab_size, prepared_dir)
     draft_size = args.draft_vocab_size
     if draft_size is None:
-        draft_size = min(DEFAULT_DRAFT_VOCAB_SIZE, info.vocab_size)
+        builtin = args.target is None
+        draft_size = MINIATURE_DRAFT_VOCAB_SIZE if builtin else min(DEFAULT_DRAFT_VOCAB_SIZE, info.vocab_size)
     check_draft_vocab_size(draft_size, info.vocab_size)
     print(f"counting supervised tokens of {len(ds):,} samples in {prepared_dir} "
           f"(target vocabulary {info.vocab_size:,})")

@@ -1,0 +1,174 @@
+"""Step 02: run the target over the prepared samples and keep the hidden states EAGLE-3 trains on.
+
+For every prepared row i it writes `data_{i}.pt` in speculators' v1 format: the input ids, the
+loss mask, three auxiliary layers (default [2, N//2, N-3], vLLM's layer-id convention) and the
+post-norm final state, all bf16, plus `sample_lengths.json` and `data_config.json`
+(see common/extract_io.py). Only those four states are captured, with forward hooks on the base
+model; samples of similar length run in batches under a padded-token budget.
+
+Usage:
+    python 02_extract_hidden_states.py                        # runs/default/prepared -> runs/default/hidden_states
+    python 02_extract_hidden_states.py --prepared RUN/prepared --target DIR --output RUN/hidden_states \
+        [--layer-ids 2 30 58] [--batch-tokens 8192] [--max-samples N] [--dtype bf16]
+    python 02_extract_hidden_states.py ... --target /models/Kimi-K2.5 --trust-remote-code --device-map auto
+        # one large target spread over all GPUs of the host
+    torchrun --nproc-per-node 8 02_extract_hidden_states.py --prepared ... --target ... --output ...
+        # data parallel, one shard per GPU (RANK / WORLD_SIZE give --shard-index / --num-shards)
+    python 02_extract_hidden_states.py ... --num-shards 4 --shard-index J   # shard J of 4, e.g. on host J
+
+Run the same command again to resume: complete files are kept, unreadable ones redone. Shards
+may share one output folder; the last one to finish writes sample_lengths.json/data_config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.errors import PipelineError
+from common.extract_io import (
+    NUM_STATES,
+    check_disk,
+    check_output_folder,
+    find_done,
+    manifest_path,
+    merge_manifests,
+    new_data_config,
+    remove_own_temporaries,
+    write_manifest,
+)
+from common.hidden_states import (
+    ExtractionRun,
+    ExtractStats,
+    StateExtractor,
+    check_token_ids,
+    estimate_bytes,
+    load_target_model,
+    plan_batches,
+    shard_batches,
+    validate_layer_ids,
+)
+from common.prepared import load_prepared
+from common.target import load_target_info
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_BATCH_TOKENS = 8192
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser)
+    data = parser.add_argument_group("data")
+    data.add_argument("--prepared", type=Path, default=None,
+                      help="prepared dataset from 01_prepare_data.py (default: RUN_DIR/prepared)")
+    data.add_argument("--output", type=Path, default=None, help="output folder (default: RUN_DIR/hidden_states)")
+    data.add_argument("--max-samples", type=int, default=None, help="only the first N prepared rows")
+    model = parser.add_argument_group("model")
+    model.add_argument("--layer-ids", type=int, nargs="+", default=None, metavar="I",
+                       help="three auxiliary layer ids, vLLM convention (default: 2 N//2 N-3)")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                       help="compute dtype (default: bf16 on GPU, fp32 on CPU); files are always bf16")
+    placement = model.add_mutually_exclusive_group()
+    placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if present)")
+    placement.add_argument("--device-map", choices=["auto"], default=None,
+                           help="spread one large target over all visible GPUs")
+    batching = parser.add_argument_group("batching and sharding")
+    batching.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+                          help="padded tokens per forward pass (default: %(default)s)")
+    batching.add_argument("--num-shards", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                          help="processes splitting the samples (default: $WORLD_SIZE or 1)")
+    batching.add_argument("--shard-index", type=int, default=int(os.environ.get("RANK", 0)),
+                          help="this process's shard, 0-based (default: $RANK or 0)")
+    batching.add_argument("--skip-disk-check", action="store_true",
+                          help="start even when the output disk looks too small")
+    args = parser.parse_args(argv)
+    if args.batch_tokens <= 0:
+        raise PipelineError(f"--batch-tokens {args.batch_tokens}: must be positive")
+    if args.max_samples is not None and args.max_samples <= 0:
+        raise PipelineError(f"--max-samples {args.max_samples}: must be positive")
+    return args
+
+
+def resolve_device(args: argparse.Namespace) -> tuple[str | None, torch.dtype]:
+    """(device, compute dtype): cuda:LOCAL_RANK when a GPU is present; bf16 on GPU, fp32 on CPU."""
+    gpu = torch.cuda.is_available()
+    device = None if args.device_map else args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if gpu else "cpu")
+    on_gpu = gpu and (device is None or device.startswith("cuda"))
+    return device, DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    prepared_dir = stage_dir(args, "prepared", args.prepared)
+    out = stage_dir(args, "hidden_states", args.output)
+
+    # 1. The target's config and the layers to keep (no weights read yet).
+    target, trust_remote_code = resolve_target(args)
+    info = load_target_info(target, trust_remote_code)
+    layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
+    device, dtype = resolve_device(args)
+
+    # 2. The prepared samples, refused if their ids do not fit the target's vocabulary.
+    ds, report = load_prepared(prepared_dir)
+    num_rows = min(len(ds), args.max_samples or len(ds))
+    lengths = dict(enumerate(check_token_ids(ds, num_rows, info.vocab_size)))
+    if Path(report.target).resolve() != Path(info.path):
+        print(f"note: {prepared_dir} was prepared with target {report.target}, extracting with {info.path}")
+
+    # 3. The output folder (refused if it holds another target's states), this shard's batches, resume.
+    config = new_data_config(info, layer_ids, dtype, prepared_dir, report)
+    check_output_folder(out, config)
+    batches = shard_batches(plan_batches(lengths, args.batch_tokens), args.num_shards, args.shard_index)
+    mine = {i for batch in batches for i in batch}
+    manifest = manifest_path(out, args.shard_index, args.num_shards)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_own_temporaries(out, mine, manifest)
+    done, redo = find_done(out, ds, mine, info.hidden_size)
+    todo_tokens = sum(lengths[i] for i in mine - done)
+
+    # 4. Disk: refuse to start a run that cannot finish.
+    needed = estimate_bytes(todo_tokens, len(mine - done), info.hidden_size)
+    if not args.skip_disk_check:
+        check_disk(out, needed)
+    shard = f"shard {args.shard_index} of {args.num_shards}: " if args.num_shards > 1 else ""
+    print(f"{shard}{len(mine):,} samples in {len(batches):,} batches: {len(done):,} done, {redo:,} to redo, "
+          f"{len(mine - done):,} to extract ({todo_tokens:,} tokens, about {needed / 1e9:,.2f} GB)")
+    print(f"target {info.path} ({info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}); "
+          f"states {layer_ids} + post-norm final; compute {config.compute_dtype} on {device or 'device map auto'}")
+
+    # 5. Extract.
+    write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
+    stats = ExtractStats()
+    if mine - done:
+        model = load_target_model(info, dtype, device, args.device_map)
+        show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
+        stats = ExtractionRun(StateExtractor(model, layer_ids), ds, out, show_progress=show).run(batches, done, lengths)
+
+    # 6. This shard's manifest; the last shard to finish merges them all.
+    write_manifest(manifest, config, {i: lengths[i] for i in done} | stats.written, stats.failed, finished=True)
+    merged = merge_manifests(out, args.num_shards)
+
+    if stats.written:
+        tokens = stats.tokens
+        print(f"{shard}extracted {len(stats.written):,} samples ({tokens:,} tokens) in {stats.seconds:,.1f}s: "
+              f"{tokens / stats.seconds:,.0f} tokens/s, forward pass {stats.forward_seconds / stats.seconds:.0%} "
+              "of the time")
+        print(f"hidden states {stats.state_bytes / tokens:,.0f} B/token ({NUM_STATES} x {info.hidden_size} x 2), "
+              f"files {stats.file_bytes / tokens:,.0f} B/token, {stats.file_bytes / 1e6:,.1f} MB written")
+    print(f"{shard}kept {len(done):,} existing, extracted {len(stats.written):,}, failed {len(stats.failed):,}"
+          + "".join(f"\n  failed {f['sample_id']} (row {f['index']}): {f['error']}" for f in stats.failed[:10]))
+    if merged:
+        print(f"output: {out} ({merged.sample_count:,} samples, {merged.token_count:,} tokens, "
+              f"{merged.bytes_total / 1e6:,.1f} MB; data_config.json, sample_lengths.json)")
+    else:
+        print(f"output: {out} (sample_lengths.json and data_config.json follow when the last shard finishes)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,201 @@
+"""Step 04: train the EAGLE-3 draft on step 02's hidden states with speculators' Trainer.
+
+Builds the draft from a config file of configs/ and the target (rope settings, vocabulary and
+norm epsilon copied from it; Kimi-K2.5's nested checkpoint read through common/patch.py), trains
+it through the library's data path and Trainer, checkpoints every epoch, and exports the final
+draft in speculators' format (bf16, vLLM-loadable).
+
+Usage:
+    python 04_train.py                                   # default target and runs/default
+    python 04_train.py --data RUN/hidden_states --vocab RUN/vocab --target DIR --output RUN \
+        [--draft-config configs/draft_tiny.json] [--epochs 3] [--lr 2e-3] [--ttt-steps 3] [--resume]
+    python 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN   # one GPU,
+        # configs/draft_kimi_k25.json
+    torchrun --nproc-per-node 8 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN
+        # the library's FSDP path, one rank per GPU
+
+Flags of the `training` section override the config file (each override is printed). Writes
+OUTPUT/checkpoints/<epoch>/ (the library's checkpointer; `--resume` continues after the last
+one), OUTPUT/draft/, OUTPUT/train_log.jsonl (one line per step and validation pass),
+OUTPUT/train_log.png and OUTPUT/train_report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from speculators.train.utils import maybe_destroy_distributed, maybe_setup_distributed
+
+from common import patch
+from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.draft import (
+    KIMI_CONFIG,
+    TINY_CONFIG,
+    build_draft,
+    check_draft_fits,
+    export_draft,
+    read_config_file,
+    speculator_config,
+)
+from common.target import load_target_info
+from common.training import (
+    CHECKPOINTS,
+    DRAFT,
+    LOG_FILE,
+    PLOT_FILE,
+    SPLIT_FILE,
+    MetricsLog,
+    ProjectTrainer,
+    TrainReport,
+    TrainSettings,
+    check_data_fits,
+    checkpoint_epochs,
+    epoch_tokens,
+    last_validation,
+    load_hidden_states,
+    make_loader,
+    metrics_logging,
+    prepare_checkpoints,
+    read_log,
+    split_data,
+    split_record,
+    trainer_config,
+)
+from common.vocab import load_vocab
+
+TRAINING_FLAGS = {  # flag -> (type, help); each overrides the config file's `training` value
+    "epochs": (int, "training epochs"),
+    "lr": (float, "peak learning rate"),
+    "ttt_steps": (int, "draft tokens trained per position (test-time-training steps)"),
+    "ttt_step_loss_decay": (float, "weight of TTT step k's loss is decay**k"),
+    "val_ratio": (float, "share of samples held out for validation (0: none)"),
+    "noise_std": (float, "uniform noise on the auxiliary states, half-width (0: off)"),
+    "total_seq_len": (int, "tokens packed into one training sequence per rank"),
+    "scheduler": (str, "learning-rate schedule: linear, cosine or none"),
+    "warmup_steps": (int, "warm-up steps (default: 1%% of all steps)"),
+    "num_workers": (int, "data-loader worker processes"),
+    "seed": (int, "seed of the split, the packing order and the draft's initialisation"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser)
+    paths = parser.add_argument_group("inputs and outputs")
+    paths.add_argument("--data", type=Path, help="hidden states of step 02 (default: RUN_DIR/hidden_states)")
+    paths.add_argument("--vocab", type=Path, help="t2d.pt/d2t.pt of step 03 (default: RUN_DIR/vocab)")
+    paths.add_argument("--output", type=Path, help="folder for checkpoints/, draft/ and the logs (default: RUN_DIR)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--draft-config", type=Path,
+                       help="draft config file (default: configs/draft_tiny.json for the built-in target, "
+                            "configs/draft_kimi_k25.json otherwise)")
+    training = parser.add_argument_group("training (override the config file)")
+    for name, (kind, text) in TRAINING_FLAGS.items():
+        training.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
+    training.add_argument("--resume", action="store_true", help="continue after the last checkpoint in OUTPUT")
+    training.add_argument("--device", default="auto",
+                          help="cpu, cuda or cuda:N (default: cuda if available; torchrun: one GPU per rank)")
+    training.add_argument("--no-compile", action="store_true",
+                          help="run the draft's forward eagerly on GPU too (it is always eager on CPU)")
+    return parser.parse_args(argv)
+
+
+def resolve_device(flag: str, local_rank: int, distributed: bool) -> torch.device:
+    if distributed:
+        return torch.device("cuda", local_rank)
+    if flag == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(flag)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    local_rank, world_size, rank, distributed = maybe_setup_distributed()
+    is_main = rank == 0
+    say = print if is_main else (lambda *_a, **_k: None)
+
+    # 1. settings: the draft config file, overridden by flags
+    target, trust_remote_code = resolve_target(args)
+    config_file = read_config_file(args.draft_config or (TINY_CONFIG if args.target is None else KIMI_CONFIG))
+    settings, overrides = TrainSettings.resolve(config_file, {k: getattr(args, k) for k in TRAINING_FLAGS})
+    for line in overrides:
+        say(line)
+    device = resolve_device(args.device, local_rank, distributed)
+    patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile)
+    output = Path(args.output or args.run_dir)
+    data_dir, vocab_dir = stage_dir(args, "hidden_states", args.data), stage_dir(args, "vocab", args.vocab)
+
+    # 2. inputs: target, vocabulary maps, hidden states, each checked against the others
+    info = load_target_info(target, trust_remote_code)
+    vocab = load_vocab(vocab_dir, info.vocab_size)
+    data = load_hidden_states(data_dir)
+    check_draft_fits(config_file.model, config_file.path, info, vocab.d2t.numel(), vocab_dir)
+    check_data_fits(data, config_file.model, config_file.path, info)
+
+    # 3. draft model, and the epoch to start at
+    config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
+    start_epoch = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
+    if distributed:
+        torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside
+    torch.manual_seed(settings.seed)
+    model = build_draft(config, vocab.t2d, vocab.d2t)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    say(f"draft: {config.transformer_layer_config.num_hidden_layers} layer(s), hidden {info.hidden_size}, "
+        f"draft vocabulary {vocab.d2t.numel():,} of {info.vocab_size:,}, {params:,} trainable parameters, "
+        f"aux layers {data.config.layer_ids}, rope theta {config.transformer_layer_config.rope_theta}, on {device}")
+
+    # 4. data: the library's split, dataset, noise, packing sampler and collate
+    train_files, val_files = split_data(data, settings.val_ratio, settings.seed)
+    pin = device.type == "cuda"
+    train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin)
+    val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin) if val_files else None
+    tokens = epoch_tokens(data, train_files, settings.total_seq_len)
+    say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
+        f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
+    if 0 < start_epoch < settings.epochs:
+        say(f"resuming after checkpoint {output / CHECKPOINTS / str(start_epoch - 1)}: "
+            f"epoch {start_epoch + 1} of {settings.epochs}")
+
+    # 5. training
+    log = MetricsLog(output / LOG_FILE, start_epoch, settings.epochs, len(train_loader), tokens) if is_main else None
+    with metrics_logging(log):
+        trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume, distributed,
+                                                       device),
+                                 train_loader, val_loader, log)
+        trainer.run_training()
+    maybe_destroy_distributed()
+    if not is_main:
+        return 0
+
+    # 6. export the last checkpoint as the draft
+    epochs = checkpoint_epochs(output / CHECKPOINTS)
+    draft_dir = export_draft(output / CHECKPOINTS / str(epochs[-1]), config, output / DRAFT,
+                             {SPLIT_FILE: split_record(data, train_files, val_files, settings)})
+
+    # 7. summary
+    records = read_log(output / LOG_FILE)
+    validation = last_validation(records)
+    for line in validation.lines() if validation else ["no validation pass (--val-ratio 0)"]:
+        print(line)
+    report = TrainReport(
+        target=info.path, data=str(data_dir), vocab=str(vocab_dir), draft_config=str(config_file.path),
+        settings=vars(settings), train_samples=len(train_files), val_samples=len(val_files), tokens_per_epoch=tokens,
+        epochs_run=list(range(start_epoch, settings.epochs)),
+        tokens_per_second=tokens / trainer.train_seconds if trainer.train_seconds else 0.0,
+        checkpoints=[str(output / CHECKPOINTS / str(e)) for e in epochs], draft=str(draft_dir),
+        log=str(output / LOG_FILE), plot=str(output / PLOT_FILE),
+        validation=vars(validation) if validation else None, overrides=overrides)
+    report_path = report.save(output)
+    print(f"trained epochs {start_epoch + 1}-{settings.epochs} of {settings.epochs} on {len(train_files):,} samples "
+          f"({tokens:,} tokens per epoch, {report.tokens_per_second:,.0f} tok/s in the last epoch)"
+          if report.epochs_run else f"nothing to train: all {settings.epochs} epochs have checkpoints")
+    print(f"outputs: {draft_dir} (draft), {output / CHECKPOINTS} ({len(epochs)} checkpoints), "
+          f"{output / LOG_FILE}, {output / PLOT_FILE}, {report_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

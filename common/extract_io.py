@@ -1,0 +1,281 @@
+"""The hidden-state folder written by step 02 and read by step 04.
+
+Layout (speculators' v1 sample format, see DESIGN.md):
+
+    OUT/00000/data_0.pt ... OUT/00049/data_499999.pt   one file per prepared row i, grouped
+                                                      by i // 10000 to keep folders small
+    OUT/extract_shard_{j}_of_{k}.json                 one manifest per shard (identity, lengths,
+                                                      failed samples, finished flag)
+    OUT/sample_lengths.json                           {"i": S} of every data file in the folder
+    OUT/data_config.json                              DataConfig: what produced the files
+
+Each `data_{i}.pt` is `{"input_ids": int64[S], "hidden_states": [bf16[S, H]] * 4,
+"loss_mask": int64[S]}`: three auxiliary layers (ids in the vLLM convention), then the
+post-norm final state. Files are written under a temporary name and renamed, so a file under
+its final name is complete.
+
+Several shards may write into one folder at once. Each keeps its own manifest; whichever shard
+finishes last (it sees every manifest of its run marked finished) merges them into
+`sample_lengths.json` and `data_config.json`. A merge lists exactly the data files present on
+disk, so the two files are consistent with the folder whenever they are written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from common.atomic import TMP_PREFIX, atomic_path, read_json, write_json
+from common.errors import PipelineError
+from common.prepared import PrepareReport
+from common.target import TargetInfo
+
+FORMAT_VERSION = 1
+DATA_FORMAT = "speculators-v1"
+LAST_STATE = "post_norm"  # the final state is the input of lm_head (HF hidden_states[N])
+STORE_DTYPE = torch.bfloat16
+NUM_STATES = 4  # three auxiliary layers, then the final state
+FILES_PER_FOLDER = 10_000
+DATA_CONFIG = "data_config.json"
+SAMPLE_LENGTHS = "sample_lengths.json"
+SAMPLE_RE = re.compile(r"data_(\d+)\.pt")
+MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")
+# What must agree between a folder's existing files and a new run writing into it.
+IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_layers", "vocab_size",
+                   "layer_ids", "last_state", "dtype", "format_version")
+PACKAGES = ("torch", "transformers", "speculators", "datasets")
+
+
+@dataclass
+class DataConfig:
+    """`data_config.json`: the target and choices behind a hidden-state folder, and its counts."""
+
+    target: str
+    architecture: str
+    text_architecture: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    layer_ids: list[int]  # auxiliary layers, vLLM convention (HF hidden_states[i])
+    compute_dtype: str
+    max_len: int
+    prepared: str
+    tokenizer: str
+    chat_template_sha256: str
+    last_state: str = LAST_STATE
+    dtype: str = "bfloat16"  # storage dtype of the hidden states
+    package_versions: dict[str, str] = field(default_factory=dict)
+    num_shards: int = 1
+    sample_count: int = 0
+    token_count: int = 0
+    bytes_total: int = 0
+    failed: list[dict] = field(default_factory=list)  # {"index", "sample_id", "error"}
+    data_format: str = DATA_FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def identity(self) -> dict:
+        return {k: getattr(self, k) for k in IDENTITY_FIELDS}
+
+    def save(self, folder: str | Path) -> None:
+        write_json(Path(folder) / DATA_CONFIG, asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DataConfig:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    @classmethod
+    def load(cls, folder: str | Path) -> DataConfig:
+        path = Path(folder) / DATA_CONFIG
+        if not path.is_file():
+            raise PipelineError(f"hidden states {folder}: no {DATA_CONFIG} (run 02_extract_hidden_states.py first)")
+        data = read_json(path)
+        if data.get("format_version") != FORMAT_VERSION:
+            raise PipelineError(f"{path}: format version {data.get('format_version')}, expected {FORMAT_VERSION}")
+        return cls.from_dict(data)
+
+
+def package_versions() -> dict[str, str]:
+    return {name: metadata.version(name) for name in PACKAGES}
+
+
+def new_data_config(info: TargetInfo, layer_ids: list[int], compute_dtype: torch.dtype, prepared: Path,
+                    report: PrepareReport) -> DataConfig:
+    return DataConfig(
+        target=info.path, architecture=info.architecture, text_architecture=info.text_architecture,
+        hidden_size=info.hidden_size, num_layers=info.num_layers, vocab_size=info.vocab_size,
+        layer_ids=list(layer_ids), compute_dtype=str(compute_dtype).removeprefix("torch."),
+        max_len=report.max_len, prepared=str(Path(prepared).resolve()), tokenizer=report.tokenizer,
+        chat_template_sha256=report.chat_template_sha256, package_versions=package_versions())
+
+
+# --- sample files -------------------------------------------------------------------------
+
+
+def sample_path(root: str | Path, index: int) -> Path:
+    """The one place that formats a sample's file name (`sample_index` parses it)."""
+    return Path(root) / f"{index // FILES_PER_FOLDER:05d}" / f"data_{index}.pt"
+
+
+def sample_index(path: str | Path) -> int | None:
+    match = SAMPLE_RE.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def save_sample(root: str | Path, index: int, input_ids: torch.Tensor, states: list[torch.Tensor],
+                loss_mask: torch.Tensor) -> int:
+    """Write one sample atomically; return the file's size in bytes."""
+    with atomic_path(sample_path(root, index)) as tmp:
+        torch.save({"input_ids": input_ids, "hidden_states": states, "loss_mask": loss_mask}, tmp)
+        return tmp.stat().st_size
+
+
+def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int) -> bool:
+    """True when `path` loads and holds `input_ids` with four [S, hidden] bf16 states.
+
+    Loading with mmap reads the zip directory at the end of the file (a truncated file fails)
+    and the small tensors, not the hidden states."""
+    try:
+        data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception:  # noqa: BLE001 - any failure to read means "redo this sample"
+        return False
+    if not isinstance(data, dict) or set(data) != {"input_ids", "hidden_states", "loss_mask"}:
+        return False
+    ids, states, mask = data["input_ids"], data["hidden_states"], data["loss_mask"]
+    shape = (len(input_ids), hidden_size)
+    return (isinstance(states, list) and len(states) == NUM_STATES
+            and all(isinstance(s, torch.Tensor) and s.dtype == STORE_DTYPE and tuple(s.shape) == shape for s in states)
+            and isinstance(mask, torch.Tensor) and tuple(mask.shape) == (len(input_ids),)
+            and isinstance(ids, torch.Tensor) and ids.tolist() == list(input_ids))
+
+
+def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 1000) -> tuple[set[int], int]:
+    """(indices whose file is complete and matches its prepared row, count of files deleted
+    because they were not): a resumed run keeps the first and redoes the rest."""
+    existing = list_sample_files(root)
+    candidates = sorted(i for i in indices if i in existing)
+    done, redo = set(), 0
+    column = ds.select_columns(["input_ids"])
+    with tqdm(total=len(candidates), desc="check existing", unit="file", disable=len(candidates) < chunk) as bar:
+        for start in range(0, len(candidates), chunk):
+            part = candidates[start:start + chunk]
+            for i, ids in zip(part, column[part]["input_ids"]):
+                if is_valid_sample(existing[i], ids, hidden_size):
+                    done.add(i)
+                else:
+                    existing[i].unlink()
+                    redo += 1
+            bar.update(len(part))
+    return done, redo
+
+
+def list_sample_files(root: Path) -> dict[int, Path]:
+    """Index -> path of every data file under `root`. Any other `*pt` file is refused:
+    speculators' dataset would load it as a sample."""
+    found = {}
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            if not name.endswith("pt"):
+                continue
+            index = sample_index(name)
+            if index is None:
+                raise PipelineError(f"output folder {root} holds {Path(folder) / name}, which is not a hidden-state "
+                                    "file (speculators' dataset loads every *pt file); use another --output")
+            found[index] = Path(folder) / name
+    return found
+
+
+def remove_own_temporaries(root: Path, indices: set[int], manifest: Path) -> int:
+    """Delete leftovers of a killed run, only those of this shard's samples and manifest:
+    another shard may be writing its own temporaries into the same folder right now."""
+    count = 0
+    for tmp in root.rglob(TMP_PREFIX + "*"):
+        name = tmp.name[len(TMP_PREFIX):]
+        index = sample_index(name.split(".pt.")[0] + ".pt") if ".pt." in name else None
+        if (index is not None and index in indices) or name.startswith(manifest.name + "."):
+            tmp.unlink(missing_ok=True)
+            count += 1
+    return count
+
+
+# --- folder identity, manifests and the merge ----------------------------------------------
+
+
+def manifest_path(root: str | Path, shard_index: int, num_shards: int) -> Path:
+    return Path(root) / f"extract_shard_{shard_index}_of_{num_shards}.json"
+
+
+def check_output_folder(root: Path, config: DataConfig) -> None:
+    """Refuse a folder holding files of another target or layer choice, before touching it."""
+    manifests = sorted(p for p in root.glob("extract_shard_*.json") if MANIFEST_RE.fullmatch(p.name))
+    sources = [root / DATA_CONFIG, *manifests]
+    found_any = False
+    for source in sources:
+        if not source.is_file():
+            continue
+        try:
+            data = read_json(source)
+            theirs = DataConfig.from_dict(data.get("config", data)).identity()
+        except (ValueError, TypeError, KeyError) as e:
+            raise PipelineError(f"output folder {root}: cannot read {source.name} ({e}); use another --output") from e
+        found_any = True
+        for key, ours in config.identity().items():
+            if theirs[key] != ours:
+                raise PipelineError(
+                    f"output folder {root} holds hidden states of another target or layer choice "
+                    f"({key} {theirs[key]} in {source.name}, {ours} now); use another --output or delete the folder")
+    if not found_any and any(root.rglob("data_*.pt")):
+        raise PipelineError(f"output folder {root} holds data files but no {DATA_CONFIG}: it was not written by "
+                            "this step; use another --output")
+
+
+def write_manifest(path: Path, config: DataConfig, lengths: dict[int, int], failed: list[dict],
+                   finished: bool) -> None:
+    write_json(path, {"config": asdict(config), "finished": finished, "failed": failed,
+                      "lengths": {str(i): n for i, n in sorted(lengths.items())}})
+
+
+def merge_manifests(root: Path, num_shards: int) -> DataConfig | None:
+    """Write `sample_lengths.json` and `data_config.json` when every shard of the run has
+    finished; return the merged config, or None while some shard is still running."""
+    manifests = []
+    for j in range(num_shards):
+        path = manifest_path(root, j, num_shards)
+        if not path.is_file():
+            return None
+        manifests.append(read_json(path))
+    if not all(m["finished"] for m in manifests):
+        return None
+    # Entries of an earlier run (e.g. a larger --max-samples) stay as long as their file does.
+    old = root / SAMPLE_LENGTHS
+    lengths = {int(i): n for i, n in read_json(old).items()} if old.is_file() else {}
+    for m in manifests:
+        lengths.update({int(i): n for i, n in m["lengths"].items()})
+    on_disk = list_sample_files(root)
+    lengths = {i: n for i, n in sorted(lengths.items()) if i in on_disk}
+    config = DataConfig.from_dict(manifests[0]["config"])
+    config.num_shards = num_shards
+    config.sample_count = len(lengths)
+    config.token_count = sum(lengths.values())
+    config.bytes_total = sum(on_disk[i].stat().st_size for i in lengths)
+    config.failed = sorted((f for m in manifests for f in m["failed"] if f["index"] not in lengths),
+                           key=lambda f: f["index"])
+    write_json(root / SAMPLE_LENGTHS, {str(i): n for i, n in lengths.items()})
+    config.save(root)
+    return config
+
+
+def check_disk(root: Path, needed_bytes: int) -> None:
+    """Refuse to start when the output disk cannot hold the estimated files."""
+    probe = root if root.exists() else next(p for p in root.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if needed_bytes > free:
+        raise PipelineError(f"output disk of {root} has {free / 1e9:,.1f} GB free, the samples still to extract "
+                            f"need about {needed_bytes / 1e9:,.1f} GB; free space, choose another --output, "
+                            "or pass --skip-disk-check")

@@ -1,0 +1,363 @@
+"""Step 02: hidden-state capture against a plain forward, batching, the v1 files and their
+folder (speculators' own dataset loads it), resume after SIGKILL, shards, failures, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
+
+from common.errors import PipelineError
+from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, list_sample_files, sample_path
+from common.fixtures import REPO_ROOT
+from common.hidden_states import (
+    StateExtractor,
+    estimate_bytes,
+    plan_batches,
+    shard_batches,
+    validate_layer_ids,
+    verify_samples,
+)
+from common.prepared import PrepareReport
+from common.target import load_target_info, load_text_model
+from conftest import run_script
+
+SCRIPT = "02_extract_hidden_states.py"
+NUM_SAMPLES = 32
+VERIFIED = range(0, NUM_SAMPLES, 4)  # samples checked against a plain forward (slow on CPU for Kimi's vocabulary)
+BATCH_TOKENS = 160  # small batches: many of them, so a run can be killed in the middle
+# One compute thread per process: on a shared 2-core machine several processes with two spinning
+# OpenMP threads each run many times slower than with one.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+KIMI_IM_END = 163586
+
+
+def write_prepared(folder: Path, target: Path, num: int, seed: int = 0, max_len: int = 40,
+                   kimi_row: int | None = None) -> Path:
+    """A prepared folder as step 01 writes it, with random ids below 4000 (live in both targets);
+    row `kimi_row` ends with Kimi's `<|im_end|>`, as data tokenized for Kimi would."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, max_len, (num,), generator=g).tolist()
+    ids = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lengths]
+    if kimi_row is not None:
+        ids[kimi_row][-1] = KIMI_IM_END
+    masks = [(torch.rand(n, generator=g) < 0.5).long().tolist() for n in lengths]
+    Dataset.from_dict({"sample_id": [f"rand-{i}" for i in range(num)], "input_ids": ids, "loss_mask": masks,
+                       "num_tokens": lengths}).save_to_disk(str(folder))
+    info = load_target_info(target)
+    PrepareReport(target=info.path, tokenizer="test", vocab_size=info.vocab_size, chat_template_sha256="0" * 64,
+                  max_len=max_len, inputs=["random"], samples_kept=num).save(folder)
+    return folder
+
+
+def random_ids(lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lengths]
+
+
+def extract_args(prepared: Path, target: Path, out: Path, *extra: str) -> list[str]:
+    return ["--prepared", str(prepared), "--target", str(target), "--trust-remote-code", "--output", str(out),
+            "--batch-tokens", str(BATCH_TOKENS), *extra]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("extract_hidden_states", REPO_ROOT / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_files(folder: Path) -> dict[int, dict]:
+    return {i: torch.load(p, weights_only=True) for i, p in list_sample_files(folder).items()}
+
+
+def assert_same_files(folder: Path, reference: Path) -> None:
+    """Exactly the files of `reference`: same indices, bit-identical tensors."""
+    ours, theirs = read_files(folder), read_files(reference)
+    assert sorted(ours) == sorted(theirs)
+    for i, data in theirs.items():
+        assert torch.equal(ours[i]["input_ids"], data["input_ids"])
+        assert torch.equal(ours[i]["loss_mask"], data["loss_mask"])
+        assert all(torch.equal(a, b) for a, b in zip(ours[i]["hidden_states"], data["hidden_states"], strict=True)), i
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models(kimi_target, flat_target) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """Each miniature target in fp32 on the CPU, loaded once."""
+    return {name: (path, load_text_model(load_target_info(path)))
+            for name, path in (("kimi", kimi_target), ("flat", flat_target))}
+
+
+@pytest.fixture(scope="module")
+def extracted(models, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """(prepared folder, hidden-state folder) of one uninterrupted run of the script per target."""
+    runs = {}
+    for name, (target, _model) in models.items():
+        root = tmp_path_factory.mktemp(f"extract-{name}")
+        prepared = write_prepared(root / "prepared", target, NUM_SAMPLES)
+        run_script(SCRIPT, *extract_args(prepared, target, root / "hs"), env=ONE_THREAD)
+        runs[name] = prepared, root / "hs"
+    return runs
+
+
+# --- planning and layer ids ------------------------------------------------------------------
+
+
+def test_layer_ids_range():
+    assert validate_layer_ids([1, 4, 7], 8) == [1, 4, 7]
+    for bad in ([0, 2, 3], [2, 4, 8], [2, 2, 3], [2, 3]):
+        with pytest.raises(PipelineError, match=r"1\.\.7 for a target with 8 layers"):
+            validate_layer_ids(bad, 8)
+
+
+def test_plan_batches_respects_budget_and_shards_split_it():
+    lengths = {i: n for i, n in enumerate([5, 40, 7, 100, 33, 40, 2, 9, 60, 12])}
+    batches = plan_batches(lengths, 80)
+    assert sorted(i for b in batches for i in b) == sorted(lengths)
+    assert batches[0] == [3]  # longer than the budget: alone, and first
+    assert all(len(b) * max(lengths[i] for i in b) <= 80 for b in batches if len(b) > 1)
+    assert all(lengths[b[0]] == max(lengths[i] for i in b) for b in batches)
+    shards = [shard_batches(batches, 3, j) for j in range(3)]
+    flat = [i for shard in shards for b in shard for i in b]
+    assert sorted(flat) == sorted(lengths) and len(flat) == len(set(flat))
+    with pytest.raises(PipelineError, match="--shard-index 3 --num-shards 3"):
+        shard_batches(batches, 3, 3)
+
+
+# --- capture: batched equals sample by sample; the states are the target's own ---------------
+
+
+@pytest.mark.parametrize("name", ["kimi", "flat"])
+def test_batched_equals_sample_by_sample(models, name):
+    _path, model = models[name]
+    ids = random_ids([37, 5, 21, 1, 30])
+    extractor = StateExtractor(model, [2, 4, 5], store_dtype=torch.float32)
+    batched = extractor(ids)
+    for sample, states in zip(ids, batched, strict=True):
+        (alone,) = extractor([sample])
+        assert [s.shape for s in states] == [(len(sample), 64)] * 4
+        for a, b in zip(states, alone, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["kimi", "flat"])
+def test_captured_states_are_the_targets_own(models, name):
+    """Kept in fp32: lm_head(final state) gives the target's logits (same argmax everywhere)
+    and aux state i is hidden_states[i] of a plain forward."""
+    _path, model = models[name]
+    ids = random_ids([40, 17, 3])
+    states = StateExtractor(model, [2, 4, 5], store_dtype=torch.float32)(ids)
+    check = verify_samples(model, list(zip(ids, states)), [2, 4, 5])
+    assert check.argmax_agreement == 1.0
+    assert check.max_logit_diff < 1e-3 and check.max_aux_error < 1e-5
+
+
+# --- the files of a run ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["kimi", "flat"])
+def test_files_match_target_and_prepared_rows(models, extracted, name):
+    _path, model = models[name]
+    prepared, out = extracted[name]
+    rows = Dataset.load_from_disk(str(prepared))
+    files = read_files(out)
+    assert sorted(files) == list(range(NUM_SAMPLES))
+    pairs = []
+    for i, data in files.items():
+        assert set(data) == {"input_ids", "hidden_states", "loss_mask"}
+        assert data["input_ids"].dtype == data["loss_mask"].dtype == torch.int64
+        assert data["input_ids"].tolist() == rows[i]["input_ids"] and data["loss_mask"].tolist() == rows[i]["loss_mask"]
+        states = data["hidden_states"]
+        size = len(rows[i]["input_ids"])
+        assert len(states) == 4 and all(s.dtype == torch.bfloat16 and s.shape == (size, 64) for s in states)
+        # Each state owns exactly its bytes (no padded batch behind a view): 4 x hidden x 2 per token.
+        assert sum(s.untyped_storage().nbytes() for s in states) == size * 4 * 64 * 2
+        if i in VERIFIED:
+            pairs.append((rows[i]["input_ids"], states))
+    # bf16 storage: logits close, a different argmax only at a near-tie within that error.
+    check = verify_samples(model, pairs, [2, 4, 5])
+    assert check.max_logit_diff < 0.1 and check.unexplained_mismatches == 0 and check.argmax_agreement > 0.99
+    assert check.max_aux_error < 2**-7
+
+
+@pytest.mark.parametrize("name", ["kimi", "flat"])
+def test_manifest_files_and_speculators_dataset(extracted, name):
+    prepared, out = extracted[name]
+    rows = Dataset.load_from_disk(str(prepared))
+    lengths = json.loads((out / SAMPLE_LENGTHS).read_text())
+    assert lengths == {str(i): len(rows[i]["input_ids"]) for i in range(NUM_SAMPLES)}
+    config = json.loads((out / DATA_CONFIG).read_text())
+    assert config["layer_ids"] == [2, 4, 5] and config["last_state"] == "post_norm"
+    assert config["hidden_size"] == 64 and config["num_layers"] == 8 and config["dtype"] == "bfloat16"
+    assert config["sample_count"] == NUM_SAMPLES and config["token_count"] == sum(lengths.values())
+    assert config["failed"] == [] and config["max_len"] == 40 and config["package_versions"]["speculators"] == "0.3.0"
+    assert [p.name for p in out.rglob("*pt")] and all(p.name.startswith("data_") for p in out.rglob("*pt"))
+
+    dataset = Eagle3SampleFileDataset(max_len=64, datapath=str(out))
+    assert len(dataset) == NUM_SAMPLES
+    item = dataset[0]
+    size = item["input_ids"].shape[0]
+    assert item["hidden_states"].shape == (size, 3 * 64) and item["verifier_last_hidden_states"].shape == (size, 64)
+    batch = create_collate_fn(64)([dataset[i] for i in range(3)])
+    assert batch["hidden_states"].shape == (1, 64, 3 * 64)
+
+
+# --- at scale: resume, shards, failures, disk --------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_gives_the_uninterrupted_files(extracted, kimi_target, tmp_path):
+    prepared, reference = extracted["kimi"]
+    out = tmp_path / "hs"
+    cmd = [sys.executable, str(REPO_ROOT / SCRIPT), *extract_args(prepared, kimi_target, out)]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **ONE_THREAD})
+    try:
+        while not list(out.rglob("data_*.pt")):  # kill as soon as the first files are there
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    kept = list_sample_files(out)
+    assert 0 < len(kept) < NUM_SAMPLES and not (out / DATA_CONFIG).exists()
+    truncated = sample_path(out, min(kept))
+    truncated.write_bytes(truncated.read_bytes()[:100])  # an unreadable file under a final name
+
+    result = run_script(SCRIPT, *extract_args(prepared, kimi_target, out), env=ONE_THREAD)
+    assert f"{len(kept) - 1:,} done, 1 to redo" in result.stdout
+    assert_same_files(out, reference)
+    assert not [p for p in out.rglob(".tmp-*")]
+    assert (out / SAMPLE_LENGTHS).read_text() == (reference / SAMPLE_LENGTHS).read_text()
+
+
+@pytest.mark.slow
+def test_two_shards_give_the_single_process_files(extracted, kimi_target, tmp_path):
+    prepared, reference = extracted["kimi"]
+    out = tmp_path / "hs"
+    base = [sys.executable, str(REPO_ROOT / SCRIPT), *extract_args(prepared, kimi_target, out)]
+    procs = [subprocess.Popen(base + ["--num-shards", "2", "--shard-index", "0"], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **ONE_THREAD}),
+             # the second shard takes its place from torchrun's variables
+             subprocess.Popen(base, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **ONE_THREAD, "RANK": "1", "WORLD_SIZE": "2"})]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    shards = [json.loads((out / f"extract_shard_{j}_of_2.json").read_text())["lengths"] for j in range(2)]
+    assert shards[0] and shards[1] and not set(shards[0]) & set(shards[1])
+    assert_same_files(out, reference)
+    assert (out / SAMPLE_LENGTHS).read_text() == (reference / SAMPLE_LENGTHS).read_text()
+    assert json.loads((out / DATA_CONFIG).read_text())["num_shards"] == 2
+
+
+def test_failing_batch_is_retried_alone_and_a_failing_sample_skipped(kimi_target, tmp_path, monkeypatch):
+    prepared = write_prepared(tmp_path / "prepared", kimi_target, 8)
+    poison = Dataset.load_from_disk(str(prepared))[3]["input_ids"]
+    calls = []
+    forward = StateExtractor.__call__
+
+    def flaky(self, id_lists):
+        calls.append(len(id_lists))
+        if len(id_lists) > 1 or poison in id_lists:  # batches "run out of memory", so does sample 3
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return forward(self, id_lists)
+
+    monkeypatch.setattr(StateExtractor, "__call__", flaky)
+    out = tmp_path / "hs"
+    load_script().main(extract_args(prepared, kimi_target, out))
+    assert sorted(list_sample_files(out)) == [0, 1, 2, 4, 5, 6, 7]
+    assert calls.count(1) == 8 and max(calls) > 1
+    config = json.loads((out / DATA_CONFIG).read_text())
+    assert [(f["index"], f["sample_id"]) for f in config["failed"]] == [(3, "rand-3")]
+    assert "out of memory" in config["failed"][0]["error"] and config["sample_count"] == 7
+
+
+def test_disk_check_refuses_a_small_disk(kimi_target, tmp_path, monkeypatch):
+    prepared = write_prepared(tmp_path / "prepared", kimi_target, 5)
+    monkeypatch.setattr("common.extract_io.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(10**6, 10**6, 1000))
+    args = extract_args(prepared, kimi_target, tmp_path / "hs", "--max-samples", "3")
+    with pytest.raises(PipelineError, match="0.0 GB free, the samples still to extract need.*--skip-disk-check"):
+        load_script().main(args)
+    assert not list((tmp_path / "hs").rglob("data_*.pt"))
+    load_script().main(args + ["--skip-disk-check"])
+    assert sorted(list_sample_files(tmp_path / "hs")) == [0, 1, 2]
+
+
+def test_bytes_estimate_is_four_bf16_states_per_token():
+    assert estimate_bytes(1000, 0, 7168) == 1000 * (4 * 7168 * 2 + 16)
+
+
+# --- bad input: exit 1 with a clear message, nothing written lost ------------------------------
+
+
+def test_bad_input_is_refused(extracted, kimi_target, flat_target, tmp_path):
+    prepared, _reference = extracted["kimi"]
+    main = load_script().main
+    with pytest.raises(PipelineError, match="no such folder"):
+        main(extract_args(prepared, tmp_path / "missing", tmp_path / "a"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(PipelineError, match="cannot read config.json"):
+        main(extract_args(prepared, broken, tmp_path / "a"))
+    with pytest.raises(PipelineError, match=r"--layer-ids 2 4 9: \[9\] out of range.*1\.\.7"):
+        main(extract_args(prepared, kimi_target, tmp_path / "a", "--layer-ids", "2", "4", "9"))
+    kimi_prepared = write_prepared(tmp_path / "kimi-prepared", kimi_target, 3, kimi_row=1)
+    with pytest.raises(PipelineError, match=rf"sample rand-1 \(row 1\) holds token id {KIMI_IM_END}, outside the "
+                                            r"target's vocabulary 0\.\.4095"):
+        main(extract_args(kimi_prepared, flat_target, tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("change", ["target", "layer_ids", "foreign_pt"])
+def test_output_of_another_target_is_left_untouched(extracted, kimi_target, flat_target, tmp_path, change):
+    prepared, reference = extracted["kimi"]
+    out = tmp_path / "hs"
+    shutil.copytree(reference, out)
+    args = {"target": extract_args(prepared, flat_target, out),
+            "layer_ids": extract_args(prepared, kimi_target, out, "--layer-ids", "1", "2", "3"),
+            "foreign_pt": extract_args(prepared, kimi_target, out)}[change]
+    if change == "foreign_pt":
+        torch.save({}, out / "t2d.pt")
+    before = folder_digest(out)
+    match = {"target": "architecture KimiK25ForConditionalGeneration in data_config.json, LlamaForCausalLM now",
+             "layer_ids": r"layer_ids \[2, 4, 5\] in data_config.json, \[1, 2, 3\] now",
+             "foreign_pt": "t2d.pt, which is not a hidden-state file"}[change]
+    with pytest.raises(PipelineError, match=match):
+        load_script().main(args)
+    assert folder_digest(out) == before
+
+
+def test_script_exits_1_with_one_line(tmp_path, kimi_target):
+    result = run_script(SCRIPT, "--prepared", tmp_path / "nothing", "--target", kimi_target, "--trust-remote-code",
+                        "--output", tmp_path / "hs", check=False, timeout=300, env=ONE_THREAD)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: prepared dataset")

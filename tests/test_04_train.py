@@ -1,0 +1,422 @@
+"""Step 04: settings and config files, the hidden-state checks, training through the library's
+Trainer, the exported draft and its loader, resuming after SIGKILL, the quality bar and bad input.
+
+The end-to-end tests share one pipeline run on the Kimi-style miniature target: 01 -> 02 -> 03,
+then 04 killed after its first epoch and resumed (real subprocesses)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from common import patch
+from common.draft import (
+    KIMI_CONFIG,
+    TINY_CONFIG,
+    build_draft,
+    load_draft,
+    read_config_file,
+    read_saved_config,
+    speculator_config,
+)
+from common.errors import PipelineError
+from common.extract_io import SAMPLE_LENGTHS, DataConfig, save_sample
+from common.fixtures import REPO_ROOT
+from common.target import load_target_info
+from common.training import (
+    TrainSettings,
+    evaluate,
+    load_hidden_states,
+    make_loader,
+    read_log,
+    simulated_acceptance_length,
+    split_data,
+)
+from common.vocab import build_maps, load_vocab
+from conftest import run_script
+
+SCRIPT = "04_train.py"
+SEQ = 512  # --total-seq-len of the test runs: short sequences, many optimizer steps
+DRAFT_VOCAB = 1024
+EPOCHS = 2
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_04", REPO_ROOT / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_in_process(*args: str | Path) -> None:
+    """04's `main` in this process: user errors surface as PipelineError, not as an exit."""
+    load_script().main([str(a) for a in args])
+
+
+@pytest.fixture(autouse=True)
+def patched():
+    patch.apply(trust_remote_code=True, compile_forward=False)
+
+
+# --- the shared pipeline run -----------------------------------------------------------------
+
+
+@dataclass
+class TrainedRun:
+    target: Path
+    run: Path
+    killed_stdout: str  # the first 04 run, killed after its first epoch
+    resumed_stdout: str
+    checkpoint0_before: str  # sha256 of checkpoint 0's weights when the first run was killed
+    epoch0_records_before: int
+
+    def train_args(self, *extra: str | Path) -> list[str | Path]:
+        return ["--run-dir", self.run, "--target", self.target, "--trust-remote-code", "--draft-config", TINY_CONFIG,
+                "--epochs", str(EPOCHS), "--total-seq-len", str(SEQ), "--noise-std", "0", *extra]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def kill_after_first_checkpoint(args: list[str | Path], checkpoint: Path, timeout: float = 600) -> str:
+    """Start 04, SIGKILL it as soon as checkpoint 0 is in place, return its output so far."""
+    log = checkpoint.parent.parent / "killed_run.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO_ROOT / SCRIPT), *map(str, args)], cwd=REPO_ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not checkpoint.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"04 ended on its own before it was killed:\n{log.read_text()}"
+    return log.read_text()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, kimi_target, demo_conversations) -> TrainedRun:
+    run = tmp_path_factory.mktemp("run04")
+    common = ["--run-dir", run, "--target", kimi_target, "--trust-remote-code"]
+    run_script("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "100",
+               "--max-len", str(SEQ))
+    run_script("02_extract_hidden_states.py", *common)
+    run_script("03_build_vocab_map.py", *common, "--draft-vocab-size", str(DRAFT_VOCAB))
+    partial = TrainedRun(kimi_target, run, "", "", "", 0)
+    killed = kill_after_first_checkpoint(partial.train_args(), run / "checkpoints" / "0")
+    before = sha256(run / "checkpoints" / "0" / "model.safetensors")
+    epoch0 = sum(1 for r in read_log(run / "train_log.jsonl") if r.get("epoch") == 0)
+    resumed = run_script(SCRIPT, *partial.train_args("--resume")).stdout
+    return replace(partial, killed_stdout=killed, resumed_stdout=resumed, checkpoint0_before=before,
+                   epoch0_records_before=epoch0)
+
+
+@dataclass
+class ValData:
+    settings: TrainSettings
+    loader: torch.utils.data.DataLoader
+    train_loader: torch.utils.data.DataLoader
+
+
+def validation_data(run: TrainedRun) -> ValData:
+    """The run's own validation split and loader (same seed, same files)."""
+    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {"total_seq_len": SEQ, "noise_std": 0.0})
+    data = load_hidden_states(run.run / "hidden_states")
+    train, val = split_data(data, settings.val_ratio, settings.seed)
+    return ValData(settings, make_loader(data, val, settings, 1, 0, train=False, pin_memory=False),
+                   make_loader(data, train, settings, 1, 0, train=False, pin_memory=False))
+
+
+# --- end to end --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_continues_from_the_next_epoch(trained):
+    assert f"epoch 1/{EPOCHS}:" in trained.killed_stdout
+    assert "resuming after checkpoint" in trained.resumed_stdout
+    assert f"epoch {EPOCHS}/{EPOCHS}" in trained.resumed_stdout
+    assert "epoch 1/" not in trained.resumed_stdout  # epoch 1 was not trained again
+    ckpts = trained.run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [str(e) for e in range(EPOCHS)]
+    assert sha256(ckpts / "0" / "model.safetensors") == trained.checkpoint0_before
+    records = read_log(trained.run / "train_log.jsonl")
+    assert sum(1 for r in records if r.get("epoch") == 0) == trained.epoch0_records_before
+    assert [r["epoch"] for r in records if "val" in r] == list(range(EPOCHS))
+    steps = [r["step"] for r in records if "train" in r]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one numbering across both runs
+    report = json.loads((trained.run / "train_report.json").read_text())
+    assert report["epochs_run"] == [EPOCHS - 1]
+
+
+@pytest.mark.slow
+def test_quality_bar_beats_untrained_draft_and_most_frequent_token(trained):
+    val = validation_data(trained)
+    config = read_saved_config(trained.run / "draft")
+    vocab = load_vocab(trained.run / "vocab")
+    torch.manual_seed(0)
+    untrained = build_draft(config, vocab.t2d, vocab.d2t)
+    untrained_acc = evaluate(untrained, val.loader, torch.device("cpu"), val.settings)["full_acc_0"]
+    baseline_acc = most_frequent_token_accuracy(untrained.verifier_lm_head, val.train_loader, val.loader)
+
+    records = read_log(trained.run / "train_log.jsonl")
+    vals = [r["val"] for r in records if "val" in r]
+    trained_acc = vals[-1]["full_acc_0_epoch"]
+    print(f"validation step-0 accuracy: trained {trained_acc:.3f}, untrained {untrained_acc:.3f}, "
+          f"most frequent token {baseline_acc:.3f}; "
+          f"val loss {vals[0]['loss_epoch']:.3f} -> {vals[-1]['loss_epoch']:.3f}")
+    assert trained_acc > 2 * max(untrained_acc, baseline_acc) and trained_acc > max(untrained_acc, baseline_acc) + 0.05
+    assert vals[-1]["loss_epoch"] < vals[0]["loss_epoch"]
+    train_losses = [r["train"]["loss"] for r in records if "train" in r]
+    assert sum(train_losses[-5:]) < 0.7 * sum(train_losses[:5])
+
+
+@torch.no_grad()
+def most_frequent_token_accuracy(verifier_lm_head, train_loader, val_loader) -> float:
+    """Step-0 accuracy of always proposing the target's most frequent next token of the training
+    split, averaged over validation batches as the Trainer averages its metrics."""
+    counts = torch.zeros(verifier_lm_head.weight.shape[0])
+    for batch in train_loader:
+        top = verifier_lm_head(batch["verifier_last_hidden_states"]).argmax(-1)[batch["loss_mask"].bool()]
+        counts += torch.bincount(top, minlength=counts.numel())
+    accs = []
+    for batch in val_loader:
+        top = verifier_lm_head(batch["verifier_last_hidden_states"]).argmax(-1)[batch["loss_mask"].bool()]
+        accs.append((top == counts.argmax()).float().mean().item())
+    return sum(accs) / len(accs)
+
+
+@pytest.mark.slow
+def test_exported_draft_is_speculators_format(trained):
+    draft = trained.run / "draft"
+    config = json.loads((draft / "config.json").read_text())
+    data_config = json.loads((trained.run / "hidden_states" / "data_config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["eagle_aux_hidden_state_layer_ids"] == data_config["layer_ids"] == [2, 4, 5]
+    assert config["dtype"] == "bfloat16"
+    layer = config["transformer_layer_config"]
+    assert layer["rope_theta"] == 50000.0 and layer["rope_scaling"]["rope_type"] == "yarn"
+    assert layer["rope_scaling"]["factor"] == 64.0 and layer["vocab_size"] == 163840
+    verifier = config["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(trained.target.resolve()),
+                        "architectures": ["KimiK25ForConditionalGeneration"]}
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        dtypes = {k: f.get_tensor(k).dtype for k in keys}
+        d2t = f.get_tensor("d2t")
+    assert "verifier_lm_head.weight" not in keys and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= keys
+    assert dtypes["d2t"] == torch.int64 and dtypes["t2d"] == torch.bool
+    assert all(d == torch.bfloat16 for k, d in dtypes.items() if k not in ("d2t", "t2d"))
+    assert torch.equal(d2t, load_vocab(trained.run / "vocab").d2t)
+    split = json.loads((draft / "validation_split.json").read_text())
+    assert len(split["validation_rows"]) == 10 and split["train_samples"] == 90
+
+
+@pytest.mark.slow
+def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
+    val = validation_data(trained)
+    cpu = torch.device("cpu")
+    reloaded = evaluate(load_draft(trained.run / "draft", trust_remote_code=True), val.loader, cpu, val.settings)
+
+    last = trained.run / "checkpoints" / str(EPOCHS - 1)  # what the Trainer saved, built the library's way
+    vocab = load_vocab(trained.run / "vocab")
+    model = build_draft(read_saved_config(last), vocab.t2d, vocab.d2t)
+    patch.DeviceAgnosticCheckpointer(trained.run / "checkpoints").load_model_state_dict(model)
+    assert reloaded == evaluate(model, val.loader, cpu, val.settings)
+
+    logged = [r["val"] for r in read_log(trained.run / "train_log.jsonl") if "val" in r][-1]
+    assert reloaded["loss"] == pytest.approx(logged["loss_epoch"], rel=0.02)  # trained in fp32, exported in bf16
+    for k in range(3):
+        assert reloaded[f"full_acc_{k}"] == pytest.approx(logged[f"full_acc_{k}_epoch"], abs=0.02)
+
+
+@pytest.mark.slow
+def test_summary_and_report(trained):
+    report = json.loads((trained.run / "train_report.json").read_text())
+    validation = report["validation"]
+    assert validation["acceptance_length"] == pytest.approx(simulated_acceptance_length(validation["cond_acc"]))
+    assert len(validation["full_acc"]) == len(validation["cond_acc"]) == 3
+    assert "simulated acceptance length" in trained.resumed_stdout
+    assert (trained.run / "train_log.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["train_samples"] == 90 and report["val_samples"] == 10
+
+
+def test_simulated_acceptance_length():
+    assert simulated_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert simulated_acceptance_length([1.0, 1.0]) == 3.0
+    assert simulated_acceptance_length([0.0, 0.9]) == 1.0
+
+
+# --- config files and settings ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").glob("draft_*.json")), ids=lambda p: p.name)
+def test_every_config_file_loads(path, kimi_target):
+    config_file = read_config_file(path)
+    settings, overrides = TrainSettings.resolve(config_file, {"lr": 0.5, "epochs": None})
+    assert settings.lr == 0.5 and len(overrides) == 1 and "--lr 0.5 overrides" in overrides[0]
+    info = load_target_info(kimi_target)
+    info = replace(info, hidden_size=config_file.model.hidden_size)  # the shape of the target it is for
+    config = speculator_config(config_file.model, info, config_file.model.draft_vocab_size or 32000, [2, 30, 58], 3)
+    layer = config.transformer_layer_config
+    assert layer.rope_theta == 50000.0 and layer.rope_scaling["rope_type"] == "yarn"  # copied from the target
+    assert layer.num_hidden_layers == 1
+
+
+def test_kimi_config_has_the_published_shape():
+    shape = read_config_file(KIMI_CONFIG).model
+    assert (shape.hidden_size, shape.num_attention_heads, shape.head_dim) == (7168, 64, 128)
+    assert shape.intermediate_size == 18432 and shape.draft_vocab_size == 32000 and shape.num_hidden_layers == 1
+
+
+@pytest.mark.parametrize("training, message", [
+    ({"epochs": "3"}, "epochs = '3' is not of type"),
+    ({"learning_rate": 0.1}, "unknown key(s) ['learning_rate']"),
+    ({"val_ratio": 1.0}, "--val-ratio 1.0: must be in [0, 1)"),
+    ({"scheduler": "step"}, "--scheduler step: must be one of linear, cosine, none"),
+])
+def test_bad_training_values_are_refused(tmp_path, training, message):
+    data = json.loads(TINY_CONFIG.read_text())
+    data["training"].update(training)
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    with pytest.raises(PipelineError) as error:
+        TrainSettings.resolve(read_config_file(tmp_path / "c.json"), {})
+    assert message in str(error.value)
+
+
+# --- training on the flat target, in process ---------------------------------------------------
+
+
+def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
+                        length: int = 48, seed: int = 0) -> Path:
+    """A hidden-state folder as step 02 writes it, with random states (for checks and plumbing)."""
+    info = load_target_info(target)
+    hidden = hidden or info.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    lengths = {}
+    for i in range(num_samples):
+        n = length + i % 7
+        ids = torch.randint(0, min(info.vocab_size, 3000), (n,), generator=g)
+        states = [torch.randn(n, hidden, generator=g).to(torch.bfloat16) for _ in range(4)]
+        save_sample(folder, i, ids, states, torch.ones(n, dtype=torch.long))
+        lengths[str(i)] = n
+    (folder / SAMPLE_LENGTHS).write_text(json.dumps(lengths))
+    DataConfig(target=info.path, architecture=info.architecture, text_architecture=info.text_architecture,
+               hidden_size=hidden, num_layers=info.num_layers, vocab_size=info.vocab_size,
+               layer_ids=info.default_layer_ids(), compute_dtype="float32", max_len=4096, prepared="test",
+               tokenizer="test", chat_template_sha256="0", sample_count=num_samples).save(folder)
+    return folder
+
+
+def write_vocab_folder(folder: Path, vocab_size: int, draft_vocab: int = 200) -> Path:
+    from common.vocab import make_report, write_vocab
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    counts[: draft_vocab * 2] = torch.arange(draft_vocab * 2, 0, -1)
+    d2t, t2d = build_maps(counts, draft_vocab)
+    write_vocab(folder, d2t, t2d, counts, make_report(counts, t2d, target="test", prepared="test", samples=1))
+    return folder
+
+
+def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
+    info = load_target_info(flat_target)
+    write_hidden_states(tmp_path / "hs", flat_target, num_samples=12)
+    write_vocab_folder(tmp_path / "vocab", info.vocab_size)
+    train_in_process("--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
+             "--vocab", tmp_path / "vocab", "--output", tmp_path / "out", "--epochs", "1",
+             "--total-seq-len", "128", "--val-ratio", "0.25")
+    out = capsys.readouterr().out
+    assert "epoch 1/1:" in out and "simulated acceptance length" in out
+    config = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())
+    assert config["transformer_layer_config"]["rope_theta"] == 10000.0  # the flat target's own
+    assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert load_draft(tmp_path / "out" / "draft").lm_head.weight.shape == (200, 64)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def bad_input_args(trained: TrainedRun, output: Path, **paths: Path) -> list[str | Path]:
+    """04's arguments on the trained run's inputs, with some replaced, writing into `output`."""
+    defaults = {"data": trained.run / "hidden_states", "vocab": trained.run / "vocab", "output": output}
+    defaults.update(paths)
+    args = ["--target", trained.target, "--trust-remote-code", "--draft-config", TINY_CONFIG,
+            "--total-seq-len", str(SEQ)]
+    for name, value in defaults.items():
+        args += [f"--{name}", value]
+    return args
+
+
+@pytest.mark.slow
+def test_missing_data_folder_exits_with_one_line(trained, tmp_path):
+    proc = run_script(SCRIPT, *bad_input_args(trained, tmp_path, data=tmp_path / "nowhere"), check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: hidden states {tmp_path / 'nowhere'}: no such folder "
+                                                    "(run 02_extract_hidden_states.py first)")
+
+
+@pytest.mark.slow
+def test_empty_data_folder(trained, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PipelineError, match="no data_config.json"):
+        train_in_process(*bad_input_args(trained, tmp_path / "out", data=tmp_path / "empty"))
+    shutil.copy(trained.run / "hidden_states" / "data_config.json", tmp_path / "empty")
+    with pytest.raises(PipelineError, match="no data_\\*.pt files"):
+        train_in_process(*bad_input_args(trained, tmp_path / "out", data=tmp_path / "empty"))
+
+
+@pytest.mark.slow
+def test_stray_pt_file_in_data_folder(trained, tmp_path):
+    data = shutil.copytree(trained.run / "hidden_states", tmp_path / "hs")
+    shutil.copy(trained.run / "vocab" / "t2d.pt", data / "00000" / "t2d.pt")
+    with pytest.raises(PipelineError, match=f"{data / '00000' / 't2d.pt'} is not a hidden-state file"):
+        train_in_process(*bad_input_args(trained, tmp_path / "out", data=data))
+
+
+@pytest.mark.slow
+def test_data_hidden_size_differs_from_draft_config(trained, tmp_path):
+    data = write_hidden_states(tmp_path / "hs", trained.target, num_samples=4, hidden=32)
+    with pytest.raises(PipelineError) as error:
+        train_in_process(*bad_input_args(trained, tmp_path / "out", data=data))
+    assert str(error.value) == (f"hidden states {data} have hidden size 32 (data_config.json), "
+                                f"but draft config {TINY_CONFIG} has hidden_size 64")
+
+
+@pytest.mark.slow
+def test_t2d_length_differs_from_target_vocabulary(trained, tmp_path):
+    vocab = write_vocab_folder(tmp_path / "vocab", vocab_size=5000)
+    with pytest.raises(PipelineError, match="t2d covers 5000 ids, the target has 163840"):
+        train_in_process(*bad_input_args(trained, tmp_path / "out", vocab=vocab))
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_config_is_refused_on_resume(trained, tmp_path):
+    shutil.copytree(trained.run / "checkpoints", tmp_path / "out" / "checkpoints")
+    data = json.loads(TINY_CONFIG.read_text())
+    data["model"]["intermediate_size"] = 128
+    (tmp_path / "other.json").write_text(json.dumps(data))
+    args = bad_input_args(trained, tmp_path / "out")
+    args[args.index("--draft-config") + 1] = tmp_path / "other.json"
+    with pytest.raises(PipelineError) as error:
+        train_in_process(*args, "--resume")
+    checkpoint = tmp_path / "out" / "checkpoints" / "1"
+    assert f"checkpoint {checkpoint} was trained with another draft config" in str(error.value)
+    assert "intermediate_size 256 there, 128 now" in str(error.value)
+
+
+@pytest.mark.slow
+def test_draft_config_of_another_hidden_size(trained, tmp_path):
+    with pytest.raises(PipelineError, match="draft config .*draft_kimi_k25.json has hidden_size 7168, but target"):
+        train_in_process(*bad_input_args(trained, tmp_path), "--draft-config", KIMI_CONFIG)
