@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="draft config file (default: configs/draft_tiny.json for the built-in target, "
                             "configs/draft_kimi_k25.json otherwise)")
     training = parser.add_argument_group("training (override the config file)")
+    training.add_argument("--preset", type=Path, default=None,
+                          help="run preset of configs/presets/ (10, 1000 or 500K samples): its training values "
+                               "override the config file's, flags override both")
     for name, (kind, text) in TRAINING_FLAGS.items():
         training.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
     training.add_argument("--resume", action="store_true", help="continue after the last checkpoint in OUTPUT")
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     # 1. settings: the draft config file, overridden by flags
     target, trust_remote_code = resolve_target(args)
     config_file = read_config_file(args.draft_config or (TINY_CONFIG if args.target is None else KIMI_CONFIG))
-    settings, overrides = TrainSettings.resolve(config_file, {k: getattr(args, k) for k in TRAINING_FLAGS})
+    settings, overrides = TrainSettings.resolve(config_file, {k: getattr(args, k) for k in TRAINING_FLAGS},
+                                                args.preset)
     for line in overrides:
         say(line)
     device = resolve_device(args.device, local_rank, distributed)

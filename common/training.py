@@ -87,15 +87,22 @@ class TrainSettings:
     seed: int = 0
 
     @classmethod
-    def resolve(cls, file: DraftConfigFile, flags: dict[str, Any]) -> tuple[TrainSettings, list[str]]:
-        """(settings, one line per flag that overrode the file). Flags set to None are unset."""
+    def resolve(cls, file: DraftConfigFile, flags: dict[str, Any],
+                preset: Path | None = None) -> tuple[TrainSettings, list[str]]:
+        """(settings, one line per value that overrode the file). Precedence: the config file's
+        `training` section, then a run preset (`configs/presets/`), then flags (None = unset)."""
         values = {f.name: f.default for f in fields(cls)}
         values.update(checked_fields(cls, file.training, f"draft config {file.path} [training]"))
         overrides = []
-        for name, value in flags.items():
-            if value is not None:
-                overrides.append(f"--{name.replace('_', '-')} {value} overrides {values[name]} of {file.path}")
-                values[name] = value
+        layers = [(f"preset {preset}", read_preset(preset))] if preset is not None else []
+        layers.append(("", {f"--{k.replace('_', '-')}": v for k, v in flags.items()}))
+        for source, layer in layers:
+            for key, value in layer.items():
+                name = key.removeprefix("--").replace("-", "_")
+                if value is not None:
+                    where = f"{source}: {name}" if source else key
+                    overrides.append(f"{where} {value} overrides {values[name]}")
+                    values[name] = value
         settings = cls(**values)
         settings.check()
         return settings, overrides
@@ -119,6 +126,19 @@ class TrainSettings:
 
     def call_kwargs(self) -> dict[str, Any]:
         return {"ttt_steps": self.ttt_steps, "ttt_step_loss_decay": self.ttt_step_loss_decay}
+
+
+def read_preset(path: Path) -> dict[str, Any]:
+    """The `training` section of a run preset (configs/presets/*.json), checked like a config's."""
+    if not Path(path).is_file():
+        raise PipelineError(f"preset {path}: no such file")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"preset {path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("training"), dict) or set(data) - {"comment", "training"}:
+        raise PipelineError(f"preset {path}: expected an object with a 'training' section (and an optional 'comment')")
+    return checked_fields(TrainSettings, data["training"], f"preset {path} [training]")
 
 
 # --- the hidden-state folder -----------------------------------------------------------------

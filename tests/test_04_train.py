@@ -296,6 +296,27 @@ def test_bad_training_values_are_refused(tmp_path, training, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "presets").glob("*.json")), ids=lambda p: p.name)
+def test_every_preset_loads_and_sits_between_config_and_flags(path):
+    preset = json.loads(path.read_text())["training"]
+    settings, overrides = TrainSettings.resolve(read_config_file(KIMI_CONFIG), {"epochs": 7}, path)
+    for name, value in preset.items():
+        assert getattr(settings, name) == (7 if name == "epochs" else value)
+    assert any(line.startswith(f"preset {path}: ") for line in overrides)
+    assert overrides[-1].startswith("--epochs 7 overrides")
+
+
+def test_presets_cover_the_three_run_sizes():
+    names = {p.stem for p in (REPO_ROOT / "configs" / "presets").glob("*.json")}
+    assert names == {"smoke_10", "local_1000", "full_500k"}
+
+
+def test_bad_preset_is_refused(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps({"training": {"epoch": 2}}))
+    with pytest.raises(PipelineError, match=r"preset .*p.json \[training\]: unknown key"):
+        TrainSettings.resolve(read_config_file(TINY_CONFIG), {}, tmp_path / "p.json")
+
+
 # --- training on the flat target, in process ---------------------------------------------------
 
 
