@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
 KIMI_CODE_DIR = Path(__file__).resolve().parent / "kimi_k25_code"
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "targets"
-FIXTURE_VERSION = 2  # bump when the generated targets change, so caches are rebuilt
+FIXTURE_VERSION = 4  # bump when the generated targets change, so caches are rebuilt
 
 KIMI_VOCAB_SIZE = 163840
 KIMI_SPECIAL_TOKENS = {
@@ -82,6 +82,8 @@ FLAT_CHAT_TEMPLATE = (
 )
 
 BPE_SIZE = 4096
+FIT_TOKENS, FIT_CHUNK = 32768, 256  # corpus tokens (in chunks) the lm_head is fitted on
+FIT_RIDGE, FIT_SCALE = 1e-3, 200.0  # ridge strength (per sample), logit scale of the fitted head
 # Draft vocabulary of the built-in default run: the miniature's tokenizer has 4096 BPE tokens, so
 # the usual 32000 would be mostly ids the data never shows, and it would make CPU training ~10x
 # slower (the draft's lm_head and loss scale with it). 2048 covers ~98% of the demo's supervised tokens.
@@ -162,12 +164,10 @@ def _write_shards(state: dict[str, torch.Tensor], out: Path, num_shards: int) ->
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _random_state(model: torch.nn.Module, seed: int, live_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Deterministic bf16 weights. Embedding and lm_head get a wider init than the default
-    0.02, so the miniature's next-token distributions are peaked like a trained model's
-    rather than nearly uniform (the draft must have something to learn). lm_head rows of ids
-    outside `live_ids` (ids no text ever tokenizes to) are zero, so that like a trained model
-    the target predicts tokens of its tokenizer, not one of the 160K unused ids."""
+def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 weights. The embedding gets a wide init (0.5) and the other weights a
+    small one (0.04), so each layer refines the residual stream instead of scrambling it, as in a
+    trained model, and the final state stays predictable from the auxiliary layers."""
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, tensor in model.state_dict().items():
@@ -176,13 +176,35 @@ def _random_state(model: torch.nn.Module, seed: int, live_ids: torch.Tensor | No
         elif "e_score_correction_bias" in name or name.endswith(".bias"):
             value = torch.zeros_like(tensor)
         else:
-            std = 0.5 if ("embed_tokens" in name or "lm_head" in name) else 0.08
-            value = torch.randn(tensor.shape, generator=g) * std
-        if live_ids is not None and name.endswith("lm_head.weight"):
-            dead = torch.ones(value.shape[0], dtype=torch.bool)
-            dead[live_ids] = False
-            value[dead] = 0
+            value = torch.randn(tensor.shape, generator=g) * (0.5 if "embed_tokens" in name else 0.04)
         state[name] = value.to(torch.bfloat16)
+    return state
+
+
+@torch.no_grad()
+def _fit_lm_head(model: torch.nn.Module, bpe: Tokenizer) -> torch.Tensor:
+    """An lm_head fitted in closed form to the demo corpus: ridge regression of the next token
+    (one-hot) on the network's final state. A random lm_head would make a target whose greedy
+    text looks nothing like the data a draft is trained on, so nothing learned on the data would
+    transfer to real decoding; fitted, the miniature behaves like a (weak) trained LM: it
+    predicts corpus-like tokens and never one of the ~160K ids its tokenizer cannot produce."""
+    ids = [i for text in demo_corpus() for i in bpe.encode(text).ids][:FIT_TOKENS]
+    chunks = torch.tensor(ids[: len(ids) // FIT_CHUNK * FIT_CHUNK]).view(-1, FIT_CHUNK)
+    states = torch.cat([model.model(input_ids=c).last_hidden_state for c in chunks.split(16)])
+    hidden = states.shape[-1]
+    x = states[:, :-1].reshape(-1, hidden).double()
+    y = chunks[:, 1:].reshape(-1)
+    gram = x.T @ x + FIT_RIDGE * len(x) * torch.eye(hidden, dtype=torch.float64)
+    x_onehot = torch.zeros(hidden, model.lm_head.out_features, dtype=torch.float64).index_add_(1, y, x.T)
+    return (FIT_SCALE * torch.linalg.solve(gram, x_onehot).T).float()
+
+
+def _corpus_fitted_state(model: torch.nn.Module, seed: int, bpe: Tokenizer) -> dict[str, torch.Tensor]:
+    """Random weights (`_random_state`) with the lm_head fitted to the demo corpus."""
+    state = _random_state(model, seed)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.eval()
+    state["lm_head.weight"] = _fit_lm_head(model, bpe).to(torch.bfloat16)
     return state
 
 
@@ -232,8 +254,7 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0) -> Path:
     # Weights: the text model under `language_model.`, plus the vision keys of the real checkpoint.
     torch.manual_seed(seed)
     text = DeepseekV3ForCausalLM(DeepseekV3Config(**KIMI_TEXT_CONFIG))
-    live = torch.tensor(list(range(bpe.get_vocab_size())) + list(KIMI_SPECIAL_TOKENS))
-    state = {f"language_model.{k}": v for k, v in _random_state(text, seed, live).items()}
+    state = {f"language_model.{k}": v for k, v in _corpus_fitted_state(text, seed, bpe).items()}
     vcfg = KimiK25VisionConfig(**KIMI_VISION_CONFIG)
     for prefix, module in (("vision_tower", MoonViTStub(vcfg)), ("mm_projector", PatchMergerProjector(vcfg))):
         state.update({f"{prefix}.{k}": t for k, t in _random_state(module, seed + 1).items()})
@@ -261,7 +282,7 @@ def write_flat_target(out_dir: str | Path, seed: int = 0) -> Path:
                             "pad_token_id": ids["<|endoftext|>"]})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    model.load_state_dict({k: v.float() for k, v in _random_state(model, seed).items()})
+    model.load_state_dict({k: v.float() for k, v in _corpus_fitted_state(model, seed, bpe).items()})
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="200KB")
     return out
 

@@ -1,0 +1,172 @@
+"""Step 05: measure a draft's real acceptance length with the target, and compare drafts.
+
+Two kinds of figures, per draft:
+- measured: real greedy speculative decoding (common/speculative.py) on held-out prompts: the
+  draft proposes --num-speculative-tokens tokens as a chain, the target verifies them in one
+  pass. Acceptance length = tokens per verification pass, as vLLM and SGLang report it; the
+  acceptance rate per draft position; and a check that every output equals plain greedy
+  decoding of the target alone (what makes speculative decoding lossless).
+- offline: validation loss, full and conditional accuracy per TTT step and the simulated
+  acceptance length, computed as 04's validation pass does, over held-out hidden-state files.
+
+Held-out: 04's validation split when its train_report.json sits next to the draft folder,
+otherwise all of --data and the last prepared rows (see common/evaluate.py).
+
+Usage:
+    python 05_evaluate.py                          # runs/default: draft/, hidden_states/, prepared/
+    python 05_evaluate.py --draft RUN/draft --target DIR --prepared RUN/prepared [--data RUN/hidden_states] \
+        [--reference OTHER_DRAFT] [--num-speculative-tokens 3] [--max-new-tokens 64] [--max-prompts 10] \
+        [--json RUN/eval.json]
+    python 05_evaluate.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN --device-map auto
+        # the real target spread over all GPUs, the draft on the first
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.draft import load_draft
+from common.errors import PipelineError
+from common.evaluate import (
+    DraftReport,
+    check_data,
+    check_draft,
+    gap_notes,
+    held_out,
+    measure_draft,
+    measure_greedy,
+    offline_metrics,
+    select_prompts,
+    summary_table,
+    training_seq_len,
+    write_report,
+)
+from common.hidden_states import load_target_model
+from common.prepare import load_tokenizer
+from common.prepared import load_prepared
+from common.speculative import stop_token_ids
+from common.target import load_target_info
+from common.training import load_hidden_states
+from common.vocab import check_prepared_target
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser)
+    inputs = parser.add_argument_group("inputs and outputs")
+    inputs.add_argument("--draft", type=Path, default=None, help="draft folder (default: RUN_DIR/draft)")
+    inputs.add_argument("--reference", type=Path, default=None,
+                        help="a second draft in speculators format to compare against, on the same samples")
+    inputs.add_argument("--prepared", type=Path, default=None,
+                        help="prepared dataset, the prompts' source (default: RUN_DIR/prepared)")
+    inputs.add_argument("--data", type=Path, default=None,
+                        help="hidden states for the offline metrics (default: RUN_DIR/hidden_states if present)")
+    inputs.add_argument("--max-samples", type=int, default=None,
+                        help="offline metrics over at most this many held-out files, the highest rows (default: all)")
+    inputs.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
+    decoding = parser.add_argument_group("decoding")
+    decoding.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                          help="draft tokens proposed per verification pass (default: %(default)s)")
+    decoding.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
+    decoding.add_argument("--max-prompts", type=int, default=10, help="held-out prompts (default: %(default)s)")
+    decoding.add_argument("--offline-only", action="store_true", help="skip speculative decoding")
+    model = parser.add_argument_group("model placement")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                       help="compute dtype of target and draft (default: bf16 on GPU, fp32 on CPU)")
+    placement = model.add_mutually_exclusive_group()
+    placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda if present)")
+    placement.add_argument("--device-map", choices=["auto"], default=None,
+                           help="spread one large target over all visible GPUs (the draft goes on cuda:0)")
+    args = parser.parse_args(argv)
+    for flag in ("num_speculative_tokens", "max_new_tokens", "max_prompts", "max_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise PipelineError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    k = args.num_speculative_tokens
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() or args.device_map else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    # 1. the target, and every draft checked against it before anything heavy is loaded
+    target, trust_remote_code = resolve_target(args)
+    info = load_target_info(target, trust_remote_code)
+    draft_dirs = {"draft": stage_dir(args, "draft", args.draft)}
+    if args.reference is not None:
+        draft_dirs["reference"] = args.reference
+    for folder in draft_dirs.values():
+        check_draft(folder, info)
+
+    # 2. held-out samples: hidden states (optional unless named) and prompts
+    data_dir = stage_dir(args, "hidden_states", args.data)
+    data = load_hidden_states(data_dir) if args.data is not None or data_dir.is_dir() else None
+    if data is None and args.offline_only:
+        raise PipelineError(f"--offline-only: no hidden states at {data_dir} (run 02 or pass --data)")
+    split = held_out(draft_dirs["draft"], data, args.max_samples)
+    prepared_dir = stage_dir(args, "prepared", args.prepared)
+    ds, prepared = load_prepared(prepared_dir)
+    check_prepared_target(prepared.target, prepared.vocab_size, info.path, info.vocab_size, prepared_dir)
+    prompts, skipped = select_prompts(ds, args.max_prompts, split.rows)
+    print(f"target {info.path} ({info.text_architecture}, {info.num_layers} layers); k = {k}; held-out: {split.rule}")
+
+    # 3. each draft loaded, and its offline metrics on the same files
+    reports = []
+    for name, folder in draft_dirs.items():
+        draft = load_draft(folder, target=info.path, trust_remote_code=trust_remote_code, device=device)
+        layer_ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
+        report = DraftReport(name=name, path=str(folder))
+        if data is not None:
+            try:
+                check_data(data, info, layer_ids, folder)
+            except PipelineError as e:  # the data is wrong for our draft; a reference may just differ
+                if name == "draft":
+                    raise
+                print(f"offline metrics of {name} skipped: {e}")
+            else:
+                report.offline = offline_metrics(draft, data, split.files, k, training_seq_len(draft_dirs["draft"]),
+                                                 device)
+        reports.append((report, draft))
+
+    # 4. measured: plain greedy once, then speculative decoding with each draft
+    if not args.offline_only:
+        model = load_target_model(info, dtype, str(device), args.device_map)
+        stop_ids = stop_token_ids(info.path, info.text_config)
+        print(f"decoding {len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a "
+              f"prompt skipped), up to {args.max_new_tokens} new tokens each, stop ids {sorted(stop_ids)}")
+        greedy = measure_greedy(model, prompts, args.max_new_tokens, stop_ids)
+        for report, draft in reports:
+            report.measured = measure_draft(model, draft.to(dtype), prompts, greedy, k, args.max_new_tokens,
+                                            stop_ids, desc=report.name)
+
+    # 5. summary: the side-by-side table, one output text, the JSON
+    drafts = [report for report, _ in reports]
+    print(summary_table(drafts, k))
+    tokenizer = load_tokenizer(Path(info.path), trust_remote_code)
+    decode = tokenizer.decode
+    if drafts[0].measured is not None:
+        first = drafts[0].measured.generations[0]
+        print(f"output of {prompts[0].sample_id} ({len(first.tokens)} tokens): {decode(first.tokens)!r}")
+        mismatched = [f"{r.name}: {', '.join(r.measured.mismatched)}" for r in drafts if r.measured.mismatched]
+        if mismatched:
+            print(f"NOT identical to greedy decoding: {'; '.join(mismatched)}")
+        for line in gap_notes(drafts):
+            print(line)
+    if args.json is not None:
+        settings = {"target": info.path, "num_speculative_tokens": k, "max_new_tokens": args.max_new_tokens,
+                    "prompts": len(prompts), "held_out": split.rule, "dtype": str(dtype).removeprefix("torch.")}
+        write_report(args.json, drafts, prompts, decode, settings)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,70 @@
+"""Every stage's benchmark in one run, and one table of ratios (ours vs the reference way).
+
+    python bench/run_all.py              # after the main job (01 -> 05) has filled runs/default
+    python bench/run_all.py --quick      # fewer samples and repeats, for a first look
+
+Each row is measured side by side in one process (medians of repeats), so the ratio holds on a
+shared, noisy machine where absolute figures do not. Goals are the issues': 02 >= 3x tokens/s at
+exactly 4 x hidden x 2 bytes per token, 03 >= 10x, 04 >= 0.9, 05 lossless (its speed ratio is
+below 1 on the CPU miniature, see bench/bench_05_speculative.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench_02_extract  # noqa: E402
+import bench_03_vocab  # noqa: E402
+import bench_04_train  # noqa: E402
+import bench_05_speculative  # noqa: E402
+
+from common.cli import DEFAULT_RUN_DIR  # noqa: E402
+
+
+def rows(quick: bool, run_dir: Path) -> list[tuple[str, str, str, str, str]]:
+    """(stage, ours, reference, ratio, goal) per benchmark."""
+    repeats = 1 if quick else 3
+    r2 = bench_02_extract.run(samples=60 if quick else 200, repeats=repeats)
+    r3 = bench_03_vocab.run(samples=2000 if quick else 20000, repeats=repeats)
+    r4 = bench_04_train.run(samples=60 if quick else 200, repeats=repeats)
+    r5 = bench_05_speculative.run(run_dir=run_dir, prompts=4 if quick else 8, repeats=repeats)
+    return [
+        ("02 extract: tokens/s", f"{r2['ours_tokens_per_s']:,.0f}", f"{r2['naive_tokens_per_s']:,.0f} (naive)",
+         f"{r2['speedup']:.1f}x", ">= 3x"),
+        ("02 extract: bytes/token", f"{r2['ours_state_bytes_per_token']:,.0f}",
+         f"{r2['naive_state_bytes_per_token']:,.0f} (naive)",
+         f"{r2['naive_state_bytes_per_token'] / r2['ours_state_bytes_per_token']:.1f}x less",
+         f"= {r2['expected_state_bytes_per_token']} (4 x hidden x 2)"),
+        ("02 extract: forward share", f"{r2['forward_share']:.0%}", "-", "-", "limit 100%"),
+        ("03 vocab counting: seconds", f"{r3['ours_s']:.2f}", f"{r3['speculators_s']:.2f} (speculators)",
+         f"{r3['speedup']:.0f}x", ">= 10x"),
+        ("04 training: tokens/s", f"{r4['data_path_tokens_per_s']:,.0f} (data path)",
+         f"{r4['in_memory_tokens_per_s']:,.0f} (in memory)", f"{r4['ratio']:.2f}", ">= 0.9"),
+        ("05 decoding: tokens/s", f"{r5['speculative_tokens_per_s']:,.0f} (speculative)",
+         f"{r5['greedy_tokens_per_s']:,.0f} (greedy)",
+         f"{r5['ratio']:.2f} (acceptance {r5['acceptance_length']:.2f})",
+         "lossless: " + ("yes" if r5["identical_to_greedy"] else "NO")),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples and one repeat")
+    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="the main job's run folder (for 05)")
+    args = parser.parse_args()
+    table = [("benchmark", "ours", "reference", "ratio", "goal"), *rows(args.quick, args.run_dir)]
+    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    print()
+    for i, row in enumerate(table):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
