@@ -52,8 +52,8 @@ from common.hidden_states import (
     shard_batches,
     validate_layer_ids,
 )
-from common.prepared import load_prepared
-from common.target import load_target_info
+from common.prepared import check_prepared_target, load_prepared
+from common.target import load_target_info, weight_map
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_BATCH_TOKENS = 8192
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. The target's config and the layers to keep (no weights read yet).
     target, trust_remote_code = resolve_target(args)
     info = load_target_info(target, trust_remote_code)
+    weight_map(info.path)  # a folder without weights is refused before the output folder is touched
     layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
     device, dtype = resolve_device(args)
 
@@ -117,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ds, report = load_prepared(prepared_dir)
     num_rows = min(len(ds), args.max_samples or len(ds))
     lengths = dict(enumerate(check_token_ids(ds, num_rows, info.vocab_size)))
-    if Path(report.target).resolve() != Path(info.path):
-        print(f"note: {prepared_dir} was prepared with target {report.target}, extracting with {info.path}")
+    check_prepared_target(report, prepared_dir, info.path, info.vocab_size)
 
     # 3. The output folder (refused if it holds another target's states), this shard's batches, resume.
     config = new_data_config(info, layer_ids, dtype, prepared_dir, report)

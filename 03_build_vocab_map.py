@@ -24,14 +24,13 @@ from pathlib import Path
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.errors import PipelineError
 from common.fixtures import MINIATURE_DRAFT_VOCAB_SIZE
-from common.prepared import load_prepared
+from common.prepared import check_prepared_target, load_prepared
 from common.target import load_target_info
 from common.vocab import (
     DEFAULT_BATCH_ROWS,
     DEFAULT_DRAFT_VOCAB_SIZE,
     build_maps,
     check_draft_vocab_size,
-    check_prepared_target,
     count_supervised_tokens,
     make_report,
     write_vocab,
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. The target's vocabulary: refuse data tokenized for another target, and a draft larger than it.
     target, trust_remote_code = resolve_target(args)
     info = load_target_info(target, trust_remote_code)
-    check_prepared_target(prepared.target, prepared.vocab_size, info.path, info.vocab_size, prepared_dir)
+    check_prepared_target(prepared, prepared_dir, info.path, info.vocab_size)
     draft_size = args.draft_vocab_size
     if draft_size is None:
         builtin = args.target is None

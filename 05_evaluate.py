@@ -47,11 +47,10 @@ from common.evaluate import (
 )
 from common.hidden_states import load_target_model
 from common.prepare import load_tokenizer
-from common.prepared import load_prepared
+from common.prepared import check_prepared_target, load_prepared
 from common.speculative import stop_token_ids
 from common.target import load_target_info
 from common.training import load_hidden_states
-from common.vocab import check_prepared_target
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     split = held_out(draft_dirs["draft"], data, args.max_samples)
     prepared_dir = stage_dir(args, "prepared", args.prepared)
     ds, prepared = load_prepared(prepared_dir)
-    check_prepared_target(prepared.target, prepared.vocab_size, info.path, info.vocab_size, prepared_dir)
+    check_prepared_target(prepared, prepared_dir, info.path, info.vocab_size)
     prompts, skipped = select_prompts(ds, args.max_prompts, split.rows)
     print(f"target {info.path} ({info.text_architecture}, {info.num_layers} layers); k = {k}; held-out: {split.rule}")
 

@@ -18,6 +18,8 @@ from typing import Any, Iterator
 
 import torch
 
+from common.errors import PipelineError
+
 TMP_PREFIX = ".tmp-"
 
 
@@ -57,7 +59,12 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_json(path: str | Path) -> Any:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """The parsed file; one that does not parse (cut short by a full disk or a killed copy) is a
+    `PipelineError` naming it."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise PipelineError(f"{path}: not valid JSON ({e})") from e
 
 
 def torch_save(obj: Any, path: str | Path) -> None:

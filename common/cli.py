@@ -56,14 +56,26 @@ def default_input() -> list[Path]:
 
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a script's `main`, turning expected failures into one line on stderr and exit 1,
-    and Ctrl-C into exit 130 (atomic writes mean nothing partial is left under a final name)."""
+    and Ctrl-C into exit 130 (atomic writes mean nothing partial is left under a final name).
+    File-system errors (a full disk, a read-only folder) count as expected: they name the file."""
     from common.errors import PipelineError
 
     try:
         sys.exit(main() or 0)
-    except PipelineError as e:
+    except (PipelineError, OSError) as e:
+        _close_progress_bars()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
+        _close_progress_bars()
         print("interrupted: finished files are kept; run the same command again to resume", file=sys.stderr)
         sys.exit(130)
+
+
+def _close_progress_bars() -> None:
+    """Close the bars an exception left open (they would redraw at exit, after the message), so
+    the message is the last line on stderr."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):  # created with the first bar
+        bar.close()

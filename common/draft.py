@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -194,8 +194,12 @@ def read_saved_config(folder: str | Path) -> Eagle3SpeculatorConfig:
 
 def saved_tensor(folder: str | Path, name: str) -> torch.Tensor | None:
     """One tensor of a saved draft or checkpoint (None when absent), read alone."""
-    with safe_open(str(Path(folder) / WEIGHTS_FILE), framework="pt") as f:
-        return f.get_tensor(name) if name in f.keys() else None
+    path = Path(folder) / WEIGHTS_FILE
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name) if name in f.keys() else None
+    except SafetensorError as e:  # e.g. a file cut short by an interrupted copy
+        raise PipelineError(f"{path}: not a readable safetensors file ({e})") from e
 
 
 def export_draft(checkpoint: str | Path, config: Eagle3SpeculatorConfig, out_dir: str | Path,

@@ -130,10 +130,17 @@ def sample_index(path: str | Path) -> int | None:
 
 def save_sample(root: str | Path, index: int, input_ids: torch.Tensor, states: list[torch.Tensor],
                 loss_mask: torch.Tensor) -> int:
-    """Write one sample atomically; return the file's size in bytes."""
-    with atomic_path(sample_path(root, index)) as tmp:
-        torch.save({"input_ids": input_ids, "hidden_states": states, "loss_mask": loss_mask}, tmp)
-        return tmp.stat().st_size
+    """Write one sample atomically; return the file's size in bytes. torch reports a full disk as
+    a RuntimeError that does not say so: the error names the file and the space left."""
+    path = sample_path(root, index)
+    try:
+        with atomic_path(path) as tmp:
+            torch.save({"input_ids": input_ids, "hidden_states": states, "loss_mask": loss_mask}, tmp)
+            return tmp.stat().st_size
+    except (OSError, RuntimeError) as e:
+        free = shutil.disk_usage(root).free
+        raise PipelineError(f"cannot write {path} ({type(e).__name__}: {str(e).strip().splitlines()[0]}); "
+                            f"{free / 1e6:,.1f} MB free on its disk") from e
 
 
 def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int) -> bool:

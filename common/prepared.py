@@ -59,6 +59,18 @@ class PrepareReport:
         return cls(**known)
 
 
+def check_prepared_target(report: PrepareReport, folder: str | Path, target: str, target_vocab: int) -> None:
+    """Refuse data tokenized for another target or tokenizer: its ids would index the wrong
+    vocabulary or the wrong embeddings. Stages 02, 03 and 05 call this before any work."""
+    if report.vocab_size != target_vocab:
+        raise PipelineError(f"prepared dataset {folder} was made for a vocabulary of {report.vocab_size} "
+                            f"(target {report.target}), but target {target} has {target_vocab}; "
+                            "re-run 01_prepare_data.py with this target")
+    if Path(report.target).resolve() != Path(target).resolve():
+        raise PipelineError(f"prepared dataset {folder} was made with target {report.target}, "
+                            f"not with the given target {target}; re-run 01_prepare_data.py with this target")
+
+
 def load_prepared(folder: str | Path):
     """(datasets.Dataset, PrepareReport) of a prepared folder, validated; errors name the folder."""
     from datasets import load_from_disk

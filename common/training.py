@@ -177,6 +177,12 @@ def load_hidden_states(folder: str | Path) -> HiddenStateData:
     if unlisted:
         raise PipelineError(f"hidden states {folder}: {unlisted[0]} is not listed in {SAMPLE_LENGTHS} "
                             f"({len(unlisted)} such files; run 02_extract_hidden_states.py again to finish the folder)")
+    # A file cut short (a killed copy, a full disk) would stop the library's loader mid-epoch; its
+    # size gives it away without reading it: the four bf16 states alone take 4 x S x H x 2 bytes.
+    short = [f for f in files if f.stat().st_size < listed[sample_index(f)] * NUM_STATES * config.hidden_size * 2]
+    if short:
+        raise PipelineError(f"hidden states {folder}: {short[0]} is cut short ({len(short)} such files); "
+                            "run 02_extract_hidden_states.py again to redo them")
     _check_sample(files[0], config.hidden_size)
     return HiddenStateData(folder, config, {f: listed[sample_index(f)] for f in files})
 

@@ -33,7 +33,7 @@ from common.errors import PipelineError
 
 __all__ = [
     "DEFAULT_DRAFT_VOCAB_SIZE", "VocabReport", "VocabMaps", "check_draft_vocab_size",
-    "check_prepared_target", "count_supervised_tokens", "select_draft_tokens", "build_maps",
+    "count_supervised_tokens", "select_draft_tokens", "build_maps",
     "make_report", "write_vocab", "load_vocab",
 ]
 
@@ -79,17 +79,6 @@ def check_draft_vocab_size(draft_vocab_size: int, target_vocab_size: int) -> Non
     if draft_vocab_size > target_vocab_size:
         raise PipelineError(f"--draft-vocab-size {draft_vocab_size}: larger than the target vocabulary "
                             f"({target_vocab_size}); use {target_vocab_size} for the identity map")
-
-
-def check_prepared_target(prepared_target: str, prepared_vocab: int, target: str, target_vocab: int,
-                          folder: str | Path) -> None:
-    """Refuse data tokenized for another target: its ids would index the wrong vocabulary."""
-    if prepared_vocab != target_vocab:
-        raise PipelineError(f"prepared dataset {folder} was made for a vocabulary of {prepared_vocab} "
-                            f"(target {prepared_target}), but target {target} has {target_vocab}")
-    if Path(prepared_target).resolve() != Path(target).resolve():
-        raise PipelineError(f"prepared dataset {folder} was made with target {prepared_target}, "
-                            f"not with the given target {target}")
 
 
 def _flat_numpy(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:

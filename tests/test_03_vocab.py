@@ -17,11 +17,10 @@ from speculators.train.vocab_mapping import (
 
 from common.errors import PipelineError
 from common.fixtures import REPO_ROOT
-from common.prepared import PrepareReport, load_prepared
+from common.prepared import PrepareReport, check_prepared_target, load_prepared
 from common.vocab import (
     FREQ_LAYOUT,
     build_maps,
-    check_prepared_target,
     count_supervised_tokens,
     load_vocab,
     make_report,
@@ -170,11 +169,15 @@ def test_bad_draft_sizes(draft, message):
 
 
 def test_prepared_for_another_target_is_refused(tmp_path):
+    def report(target: str, vocab: int) -> PrepareReport:
+        return PrepareReport(target=target, tokenizer="T", vocab_size=vocab, chat_template_sha256="0", max_len=8,
+                             inputs=[])
+
     with pytest.raises(PipelineError, match="vocabulary of 4096 .*target /a/x.*but target /b/y has 163840"):
-        check_prepared_target("/a/x", 4096, "/b/y", 163840, tmp_path)
+        check_prepared_target(report("/a/x", 4096), tmp_path, "/b/y", 163840)
     with pytest.raises(PipelineError, match="made with target /a/x, not with the given target /b/y"):
-        check_prepared_target("/a/x", 163840, "/b/y", 163840, tmp_path)
-    check_prepared_target(str(tmp_path / "t" / ".." / "t"), 10, str(tmp_path / "t"), 10, tmp_path)
+        check_prepared_target(report("/a/x", 163840), tmp_path, "/b/y", 163840)
+    check_prepared_target(report(str(tmp_path / "t" / ".." / "t"), 10), tmp_path, str(tmp_path / "t"), 10)
 
 
 # --- the output folder -----------------------------------------------------------------------------
@@ -234,7 +237,7 @@ def test_script_error_is_one_line_exit_1(prepared, config_target, tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"error: prepared dataset {prepared} was made for a vocabulary of {VOCAB} "
-        f"(target {config_target.resolve()}), but target {other.resolve()} has 2000"]
+        f"(target {config_target.resolve()}), but target {other.resolve()} has 2000; re-run 01_prepare_data.py with this target"]
     assert not (tmp_path / "v").exists()
 
 
