@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ds, report = load_prepared(prepared_dir)
     num_rows = min(len(ds), args.max_samples or len(ds))
     lengths = dict(enumerate(check_token_ids(ds, num_rows, info.vocab_size)))
-    check_prepared_target(report, prepared_dir, info.path, info.vocab_size)
 
     # 3. The output folder (refused if it holds another target's states), this shard's batches, resume.
     config = new_data_config(info, layer_ids, dtype, prepared_dir, report)
     check_output_folder(out, config)
+    check_prepared_target(report, prepared_dir, info.path, info.vocab_size)
     batches = shard_batches(plan_batches(lengths, args.batch_tokens), args.num_shards, args.shard_index)
     mine = {i for batch in batches for i in batch}
     manifest = manifest_path(out, args.shard_index, args.num_shards)
