@@ -366,7 +366,8 @@ FAULTS = [
     Fault("output_of_other_target", EXTRACT, output_of_other_target,
           1, r"output folder .*hidden_states holds hidden states of another target .*architecture "
              r"KimiK25ForConditionalGeneration in data_config\.json, LlamaForCausalLM now"),
-    Fault("torn_prepare_report", EXTRACT, torn_json("prepared/prepare_report.json", lambda ws: ws.extract("new_hidden_states")),
+    Fault("torn_prepare_report", EXTRACT,
+          torn_json("prepared/prepare_report.json", lambda ws: ws.extract("new_hidden_states")),
           1, r"prepared/prepare_report\.json: not valid JSON"),
     Fault("truncated_data_file_redone", EXTRACT, truncated_then_extract, 0, None,
           may_change=("hidden_states/00000/data_5.pt", "hidden_states/*.json"), check=redone_one_file),
@@ -417,40 +418,36 @@ FAULTS = [
 # --- running a case ---------------------------------------------------------------------------
 
 
-def start(script: str, args: list) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO_ROOT / script), *map(str, args)], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ENV})
-
-
 def interrupted_run(fault: Fault, ws: Workspace, args: list) -> subprocess.CompletedProcess:
-    """Start the script, send the signal once the case is ready, and wait for the end."""
-    proc = start(fault.script, args)
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while not fault.interrupt.ready(ws.run):
-            assert proc.poll() is None, f"{fault.script} ended before it could be interrupted:\n{proc.communicate()}"
-            assert time.monotonic() < deadline, f"{fault.script}: not ready to interrupt after {TIMEOUT}s"
-            time.sleep(0.02)
-        proc.send_signal(fault.interrupt.signal)
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    finally:
-        proc.kill()
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    """Start the script, send the signal once the case is ready, and wait for the end. Output
+    goes to files: a pipe nobody reads while polling could fill up and stall the script."""
+    out, err = ws.root / "stdout.txt", ws.root / "stderr.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(REPO_ROOT / fault.script), *map(str, args)], cwd=REPO_ROOT,
+                                stdout=stdout, stderr=stderr, env={**os.environ, **ENV})
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while not fault.interrupt.ready(ws.run):
+                assert proc.poll() is None, f"{fault.script} ended before it was interrupted:\n{err.read_text()}"
+                assert time.monotonic() < deadline, f"{fault.script}: not ready to interrupt after {TIMEOUT}s"
+                time.sleep(0.02)
+            proc.send_signal(fault.interrupt.signal)
+            proc.wait(timeout=TIMEOUT)
+        finally:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
 
 
 def run_case(fault: Fault, ws: Workspace) -> None:
     """Set the fault up, run the script, and check the status, the message and the files."""
     shutil.copytree(ws.reference, ws.run)
-    args = fault.setup(ws)
     try:
+        args = fault.setup(ws)
         before = folder_digest(ws.run)
         interrupt = fault.interrupt
-        if interrupt is None:
-            proc = run_script(fault.script, *args, check=False, timeout=TIMEOUT, env=ENV)
-        else:
-            proc = interrupted_run(fault, ws, args)
+        proc = (run_script(fault.script, *args, check=False, timeout=TIMEOUT, env=ENV) if interrupt is None
+                else interrupted_run(fault, ws, args))
         if interrupt is not None and interrupt.signal == signal.SIGKILL:
             assert proc.returncode == -signal.SIGKILL, proc.stderr
             before = folder_digest(ws.run)  # what the killed run wrote must survive the restart as well
