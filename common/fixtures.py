@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
 KIMI_CODE_DIR = Path(__file__).resolve().parent / "kimi_k25_code"
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "targets"
-FIXTURE_VERSION = 4  # bump when the generated targets change, so caches are rebuilt
+FIXTURE_VERSION = 5  # bump when the generated targets change, so caches are rebuilt
 
 KIMI_VOCAB_SIZE = 163840
 KIMI_SPECIAL_TOKENS = {
@@ -98,8 +98,8 @@ KIMI_TEXT_CONFIG = {
     "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
     "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     "norm_topk_prob": True, "routed_scaling_factor": 2.827,
-    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-    "v_head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+    "q_lora_rank": 32, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64,
+    "v_head_dim": 32, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
     "rope_scaling": YARN, "max_position_embeddings": 262144, "tie_word_embeddings": False,
     "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
     "initializer_range": 0.02, "attention_bias": False, "torch_dtype": "bfloat16",
@@ -111,8 +111,8 @@ KIMI_VISION_CONFIG = {
 }
 FLAT_MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
     "initializer_range": 0.02, "torch_dtype": "bfloat16",
 }
