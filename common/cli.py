@@ -10,6 +10,7 @@ every path stays overridable by its own flag.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,22 +55,39 @@ def default_input() -> list[Path]:
     return [DEMO_CONVERSATIONS]
 
 
+class Terminated(BaseException):
+    """SIGTERM (a scheduler's preemption, `kill`), raised in the main thread like Ctrl-C's
+    KeyboardInterrupt, so both unwind the same way. A BaseException, so that no `except
+    Exception` on the way (a retry loop) swallows it."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a script's `main`, turning expected failures into one line on stderr and exit 1,
-    and Ctrl-C into exit 130 (atomic writes mean nothing partial is left under a final name).
-    File-system errors (a full disk, a read-only folder) count as expected: they name the file."""
+    Ctrl-C (SIGINT) into exit 130 and SIGTERM into exit 143 (atomic writes mean nothing partial
+    is left under a final name; run the same command again to resume). File-system errors (a
+    full disk, a read-only folder) count as expected: they name the file.
+
+    SIGINT keeps the disposition the script was started with: Python turns it into
+    KeyboardInterrupt unless the launcher ignored it (`cmd &` in a non-interactive shell does,
+    so that Ctrl-C in the terminal spares background jobs); SIGTERM is always handled."""
     from common.errors import PipelineError
 
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         sys.exit(main() or 0)
     except (PipelineError, OSError) as e:
         _close_progress_bars()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
         _close_progress_bars()
-        print("interrupted: finished files are kept; run the same command again to resume", file=sys.stderr)
-        sys.exit(130)
+        cause = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
+        print(f"{cause}: finished files are kept; run the same command again to resume", file=sys.stderr)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM)
 
 
 def _close_progress_bars() -> None:

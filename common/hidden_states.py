@@ -32,6 +32,9 @@ from common.target import TargetError, TargetInfo, load_text_model
 
 WRITE_THREADS = 4  # file writes overlap the next forward pass
 MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten samples
+# Skipping is for the odd bad sample; past these limits the failures are systematic (a bug, a
+# device that is out of memory on every sample) and the run stops instead of skipping everything.
+MAX_SKIPPED_SHARE, MIN_SKIPPED_LIMIT, MAX_SKIPPED_IN_A_ROW = 0.01, 10, 20
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -183,6 +186,10 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _is_out_of_memory(error: RuntimeError) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
 def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
@@ -196,9 +203,13 @@ class ExtractionRun:
         self.out = out
         self.show_progress = show_progress
         self.stats = ExtractStats()
+        self.skip_limit = MIN_SKIPPED_LIMIT
+        self.skipped_in_a_row = 0
 
     def run(self, batches: list[list[int]], done: set[int], lengths: dict[int, int]) -> ExtractStats:
         todo_tokens = sum(lengths[i] for batch in batches for i in batch if i not in done)
+        todo_samples = sum(i not in done for batch in batches for i in batch)
+        self.skip_limit = max(MIN_SKIPPED_LIMIT, int(MAX_SKIPPED_SHARE * todo_samples))
         start = time.perf_counter()
         pending: deque[Future] = deque()
         bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="extract", disable=not self.show_progress,
@@ -237,22 +248,36 @@ class ExtractionRun:
         return good
 
     def _extract(self, samples: list[Sample]) -> list[tuple[Sample, list[torch.Tensor]]]:
-        """The batch's states; when the batch fails (out of memory, ...) each sample is retried
-        alone, and a sample failing alone is skipped and listed."""
+        """The batch's states. Out of memory, the batch is split in halves down to single samples,
+        and a sample out of memory alone is skipped and listed; any other error stops the run."""
         if not samples:
             return []
         try:
-            return list(zip(samples, self.extractor([s.input_ids for s in samples])))
+            states = self.extractor([s.input_ids for s in samples])
         except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
+            if not _is_out_of_memory(error):
+                ids = ", ".join(s.sample_id for s in samples[:3]) + (", ..." if len(samples) > 3 else "")
+                raise PipelineError(f"extraction failed on samples {ids}: {_first_line(error)} "
+                                    "(only out-of-memory errors are retried)") from error
             _free_device_memory()
             if len(samples) == 1:
                 self._fail(samples[0], _first_line(error))
                 return []
-        return [pair for sample in samples for pair in self._extract([sample])]
+            half = len(samples) // 2
+            return self._extract(samples[:half]) + self._extract(samples[half:])
+        self.skipped_in_a_row = 0
+        return list(zip(samples, states))
 
     def _fail(self, sample: Sample, error: str) -> None:
+        """Skip and list one sample; stop the run when skipping stops being the exception."""
         self.stats.failed.append({"index": sample.index, "sample_id": sample.sample_id, "error": error})
+        self.skipped_in_a_row += 1
         tqdm.write(f"skipped sample {sample.sample_id} (row {sample.index}): {error}")
+        failed = len(self.stats.failed)
+        if failed > self.skip_limit or self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise PipelineError(f"{failed} samples skipped ({self.skipped_in_a_row} in a row, limit {self.skip_limit} "
+                                f"in all and {MAX_SKIPPED_IN_A_ROW} in a row); the last, {sample.sample_id} "
+                                f"(row {sample.index}): {error}. Files written so far are kept")
 
     def _collect(self, future: Future) -> None:
         """Account for one finished write (in the main thread; a write error stops the run)."""

@@ -278,7 +278,7 @@ def test_two_shards_give_the_single_process_files(extracted, kimi_target, tmp_pa
     assert json.loads((out / DATA_CONFIG).read_text())["num_shards"] == 2
 
 
-def test_failing_batch_is_retried_alone_and_a_failing_sample_skipped(kimi_target, tmp_path, monkeypatch):
+def test_batch_out_of_memory_is_split_and_a_sample_out_of_memory_alone_skipped(kimi_target, tmp_path, monkeypatch):
     prepared = write_prepared(tmp_path / "prepared", kimi_target, 8)
     poison = Dataset.load_from_disk(str(prepared))[3]["input_ids"]
     calls = []
@@ -298,6 +298,32 @@ def test_failing_batch_is_retried_alone_and_a_failing_sample_skipped(kimi_target
     config = json.loads((out / DATA_CONFIG).read_text())
     assert [(f["index"], f["sample_id"]) for f in config["failed"]] == [(3, "rand-3")]
     assert "out of memory" in config["failed"][0]["error"] and config["sample_count"] == 7
+
+
+def test_an_error_other_than_out_of_memory_stops_the_run(kimi_target, tmp_path, monkeypatch):
+    prepared = write_prepared(tmp_path / "prepared", kimi_target, 6)
+    calls = []
+
+    def broken(self, id_lists):
+        calls.append(len(id_lists))
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (simulated bug)")
+
+    monkeypatch.setattr(StateExtractor, "__call__", broken)
+    with pytest.raises(PipelineError, match=r"extraction failed on samples rand-\d.*shapes cannot be multiplied "
+                                            r"\(simulated bug\) \(only out-of-memory errors are retried\)"):
+        load_script().main(extract_args(prepared, kimi_target, tmp_path / "hs"))
+    assert len(calls) == 1  # no retry of a bug, no second forward pass per sample
+
+
+def test_systematic_out_of_memory_stops_past_the_skip_limit(kimi_target, tmp_path, monkeypatch):
+    from common.hidden_states import MIN_SKIPPED_LIMIT
+
+    prepared = write_prepared(tmp_path / "prepared", kimi_target, MIN_SKIPPED_LIMIT + 4)
+    monkeypatch.setattr(StateExtractor, "__call__", lambda self, ids: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory (simulated)")))
+    with pytest.raises(PipelineError, match=rf"^{MIN_SKIPPED_LIMIT + 1} samples skipped .*limit {MIN_SKIPPED_LIMIT} "
+                                            r"in all.*out of memory"):
+        load_script().main(extract_args(prepared, kimi_target, tmp_path / "hs"))
 
 
 def test_disk_check_refuses_a_small_disk(kimi_target, tmp_path, monkeypatch):

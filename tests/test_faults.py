@@ -56,6 +56,7 @@ TIMEOUT = 300  # seconds for one script run
 PREPARE, EXTRACT, VOCAB, TRAIN, EVALUATE = ("01_prepare_data.py", "02_extract_hidden_states.py",
                                             "03_build_vocab_map.py", "04_train.py", "05_evaluate.py")
 INTERRUPTED = r"^interrupted: finished files are kept"
+TERMINATED = r"^terminated: finished files are kept"
 
 
 # --- the shared run and each case's copy ------------------------------------------------------
@@ -87,6 +88,17 @@ class Workspace:
     def train(self, *extra) -> list:
         return ["--run-dir", self.run, "--target", self.kimi, "--trust-remote-code", "--draft-config", TINY_CONFIG,
                 "--epochs", EPOCHS, "--total-seq-len", SEQ, *extra]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sigint_delivered() -> Iterator[None]:
+    """The SIGINT drills test what Ctrl-C does, so their scripts must start with SIGINT's default
+    disposition. A process launched in the background by a non-interactive shell (`pytest &`)
+    inherits SIGINT ignored, and so would every script it starts: exec keeps an ignored signal
+    but resets a handled one to the default, so handling it here gives the children the default."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="session")
@@ -378,6 +390,9 @@ FAULTS = [
     Fault("sigint_02", EXTRACT, lambda ws: ws.extract("new_hidden_states"), 130, INTERRUPTED,
           may_add=("new_hidden_states/*",), interrupt=Interrupt(signal.SIGINT, has_data_files("new_hidden_states")),
           check=complete_data_files("new_hidden_states")),
+    Fault("sigterm_02", EXTRACT, lambda ws: ws.extract("new_hidden_states"), 143, TERMINATED,
+          may_add=("new_hidden_states/*",), interrupt=Interrupt(signal.SIGTERM, has_data_files("new_hidden_states")),
+          check=complete_data_files("new_hidden_states")),
     Fault("disk_check_fails", EXTRACT, small_disk,
           1, r"output disk of .*mnt/hidden_states has .* free, the samples still to extract need .*--skip-disk-check"),
     Fault("disk_full_while_writing", EXTRACT, full_disk,
@@ -407,6 +422,9 @@ FAULTS = [
     Fault("sigint_04", TRAIN, lambda ws: ws.train(), 130, INTERRUPTED,
           may_add=("checkpoints/*", "train_log.jsonl", "train_log.png"),
           interrupt=Interrupt(signal.SIGINT, has_trained_a_step), check=complete_checkpoints),
+    Fault("sigterm_04", TRAIN, lambda ws: ws.train(), 143, TERMINATED,
+          may_add=("checkpoints/*", "train_log.jsonl", "train_log.png"),
+          interrupt=Interrupt(signal.SIGTERM, has_trained_a_step), check=complete_checkpoints),
     # 05: the draft
     Fault("draft_for_other_target", EVALUATE, draft_of_flat_target,
           1, r"draft .*draft maps a target vocabulary of 4,096 ids, but target .*kimi has 163,840"),
@@ -464,7 +482,7 @@ def check_outcome(fault: Fault, ws: Workspace, proc: subprocess.CompletedProcess
     assert "Traceback" not in proc.stderr, output
     if fault.stderr is not None:
         last = proc.stderr.strip().splitlines()[-1]
-        pattern = fault.stderr if fault.status == 130 else r"^error: .*" + fault.stderr
+        pattern = fault.stderr if fault.status in (130, 143) else r"^error: .*" + fault.stderr
         assert re.search(pattern, last), f"last stderr line: {last!r}\n{output}"
     kept = {p: h for p, h in before.items() if not is_temporary(p)}  # a rerun may clean temporaries up
     lost = sorted(set(kept) - set(after))
