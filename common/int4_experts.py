@@ -29,7 +29,7 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.utils.match import is_match
 
-from common.errors import PipelineError
+from common.target import TargetError
 
 PACKED_PARAMS = ("weight_packed", "weight_scale", "weight_shape")
 GROUP_SIZE = 32  # Kimi-K2.5's group size
@@ -41,7 +41,7 @@ KIMI_IGNORE = ["lm_head", "re:.*lm_head", "re:.*self_attn.*", "re:.*shared_exper
                r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]
 
 
-class QuantizedTargetError(PipelineError, ValueError):
+class QuantizedTargetError(TargetError):
     """A quantized checkpoint that does not match its own quantization_config; names the tensor."""
 
 

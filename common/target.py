@@ -198,7 +198,7 @@ def _fill_model(model: torch.nn.Module, info: TargetInfo, dtype: torch.dtype, de
     from accelerate import dispatch_model
     from accelerate.utils import set_module_tensor_to_device
 
-    from common.int4_experts import PackedLinear, check_packed_tensor
+    from common.int4_experts import PackedLinear, QuantizedTargetError, check_packed_tensor
 
     placement = device_map if isinstance(device_map, dict) else {"": device}
     expected = model.state_dict()
@@ -208,16 +208,23 @@ def _fill_model(model: torch.nn.Module, info: TargetInfo, dtype: torch.dtype, de
     unexpected = sorted(set(stripped) - set(expected))
     missing = sorted(set(expected) - set(stripped) - tied)
     if unexpected or missing:
+        hint = ""
+        if any(k.endswith(".weight_packed") for k in unexpected):
+            hint = ("; the checkpoint holds compressed-tensors packed weights that its quantization_config "
+                    + ("does not name" if info.quantization_config else "(missing from config.json) would describe"))
         raise TargetError(f"target {info.path}: weights do not fit {info.text_architecture}"
                           f"{' with its quantization_config' if info.quantization_config else ''}: "
-                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+                          f"missing {missing[:5]}, unexpected {unexpected[:5]}{hint}")
     for shard_names in _by_shard(info.path, names).values():
         for key, tensor in read_tensors(info.path, shard_names).items():
             name = key[len(info.weight_prefix):]
             module_name, _, param = name.rpartition(".")
             module = model.get_submodule(module_name)
             if isinstance(module, PackedLinear):  # kept as stored: int32 words, bf16 scales
-                check_packed_tensor(key, tensor, module, param)
+                try:
+                    check_packed_tensor(key, tensor, module, param)
+                except QuantizedTargetError as e:
+                    raise TargetError(f"target {info.path}: {e}") from e
                 set_module_tensor_to_device(model, name, _device_for(name, placement), value=tensor,
                                             dtype=tensor.dtype)
                 continue
