@@ -3,8 +3,8 @@
 A block is the embedding, one decoder layer, the final norm, the rotary table or the lm_head,
 in forward order. Its size is what the loader will really hold: packed INT4 experts at their
 packed size (int32 words + bf16 scales), every other floating tensor at the compute dtype.
-Blocks go to the GPUs in order, each GPU filled up to an even share of the total (so 8 GPUs
-each hold about 1/8) and never past its budget minus the headroom for activations. A target
+Blocks go to the GPUs in order, each GPU filled up to about an even share of the total (so 8
+GPUs each hold about 1/8) and never past its budget minus the headroom for activations. A target
 that does not fit is refused with the bytes needed and available per device: nothing is ever
 offloaded to the CPU or to disk, which would make a 1T-parameter forward pass take hours.
 This module is pure arithmetic on sizes; only `gpu_budgets` looks at the hardware.
@@ -137,15 +137,14 @@ def activation_headroom(text_config, batch_tokens: int, dtype: torch.dtype, logi
 def plan_device_map(blocks: list[tuple[str, int]], budgets: dict[str, int], headroom: int) -> DevicePlan:
     """Assign blocks in order to the devices of `budgets` (in their order), or refuse.
 
-    Each device first takes up to an even share of the weights (total / devices plus the
-    largest block), within its budget minus `headroom`; if that leaves blocks over (uneven
-    budgets), the fill is repeated up to each device's full room."""
+    A device takes blocks while it holds less than an even share of the weights (total /
+    devices) and the next block fits in its budget minus `headroom`; if uneven budgets leave
+    blocks over, the fill is repeated taking each device up to its full room."""
     room = {d: b - headroom for d, b in budgets.items()}
     total = sum(size for _, size in blocks)
     largest = max((size for _, size in blocks), default=0)
-    share = total // max(len(budgets), 1) + largest
-    for caps in ({d: min(r, share) for d, r in room.items()}, room):
-        placed = _fill(blocks, caps)
+    for share in (-(-total // max(len(budgets), 1)), None):
+        placed = _fill(blocks, room, share)
         if placed is not None:
             used: dict[str, int] = {}
             for name, size in blocks:
@@ -160,11 +159,13 @@ def plan_device_map(blocks: list[tuple[str, int]], budgets: dict[str, int], head
         "or a smaller --batch-tokens")
 
 
-def _fill(blocks: list[tuple[str, int]], caps: dict[str, int]) -> dict[str, str] | None:
-    devices = list(caps)
+def _fill(blocks: list[tuple[str, int]], room: dict[str, int], share: int | None) -> dict[str, str] | None:
+    """Blocks in order onto devices in order; a device is closed once it holds `share` bytes
+    (None: never) or the next block does not fit its room. None when blocks are left over."""
+    devices = list(room)
     placed, index, used = {}, 0, 0
     for name, size in blocks:
-        while index < len(devices) and used + size > caps[devices[index]]:
+        while index < len(devices) and (used + size > room[devices[index]] or (share is not None and used >= share)):
             index, used = index + 1, 0
         if index == len(devices):
             return None
