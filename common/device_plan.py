@@ -77,6 +77,14 @@ def gpu_budgets(max_memory: str | None) -> dict[str, int]:
     return {d: torch.cuda.mem_get_info(d)[0] for d in devices}
 
 
+def check_placement_flags(device_map: str | None, max_memory: str | None) -> dict[str, int] | None:
+    """Refuse bad placement flags before any heavy work: `--max-memory` without `--device-map
+    auto`, or `--device-map auto` with no GPU; the GPU budgets otherwise (None without a map)."""
+    if max_memory and not device_map:
+        raise DevicePlanError(f"--max-memory {max_memory}: only used with --device-map auto")
+    return gpu_budgets(max_memory) if device_map else None
+
+
 def block_sizes(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, int]]:
     """(name, bytes) of each placement block of a causal LM, in forward order: the children of
     `model.model` with its decoder layers one by one, then the other top-level children.
@@ -137,8 +145,8 @@ def activation_headroom(text_config, batch_tokens: int, dtype: torch.dtype, logi
 def plan_device_map(blocks: list[tuple[str, int]], budgets: dict[str, int], headroom: int) -> DevicePlan:
     """Assign blocks in order to the devices of `budgets` (in their order), or refuse.
 
-    A device takes blocks while it holds less than an even share of the weights (total /
-    devices) and the next block fits in its budget minus `headroom`; if uneven budgets leave
+    A device takes blocks up to about an even share of the weights (total / devices) while the
+    next block fits in its budget minus `headroom`; if uneven budgets or rounding leave
     blocks over, the fill is repeated taking each device up to its full room."""
     room = {d: b - headroom for d, b in budgets.items()}
     total = sum(size for _, size in blocks)
@@ -160,12 +168,14 @@ def plan_device_map(blocks: list[tuple[str, int]], budgets: dict[str, int], head
 
 
 def _fill(blocks: list[tuple[str, int]], room: dict[str, int], share: int | None) -> dict[str, str] | None:
-    """Blocks in order onto devices in order; a device is closed once it holds `share` bytes
-    (None: never) or the next block does not fit its room. None when blocks are left over."""
+    """Blocks in order onto devices in order; a device is closed when the next block does not
+    fit its room, or (with a `share`) when more than half of that block would lie past the share
+    (so each device ends within half a block of it). None when blocks are left over."""
     devices = list(room)
     placed, index, used = {}, 0, 0
     for name, size in blocks:
-        while index < len(devices) and (used + size > room[devices[index]] or (share is not None and used >= share)):
+        while index < len(devices) and (used + size > room[devices[index]]
+                                         or (share is not None and used and used + size / 2 > share)):
             index, used = index + 1, 0
         if index == len(devices):
             return None

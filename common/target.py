@@ -164,7 +164,7 @@ def load_text_model(info: TargetInfo, dtype: torch.dtype = torch.float32, device
     if not info.nested and not info.quantization_config and device_map is None:
         model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
         return (model.to(device) if device else model).eval()
-    model = _empty_model(info, dtype)
+    model = empty_text_model(info, dtype)
     if device_map == "auto":
         from common.device_plan import activation_headroom, block_sizes, gpu_budgets, plan_device_map
 
@@ -175,7 +175,7 @@ def load_text_model(info: TargetInfo, dtype: torch.dtype = torch.float32, device
     return _fill_model(model, info, dtype, device or "cpu", device_map).eval()
 
 
-def _empty_model(info: TargetInfo, dtype: torch.dtype) -> torch.nn.Module:
+def empty_text_model(info: TargetInfo, dtype: torch.dtype) -> torch.nn.Module:
     """The text model on the meta device, its pack-quantized layers as `PackedLinear`s."""
     import transformers
     from accelerate import init_empty_weights
