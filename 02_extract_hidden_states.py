@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.device_plan import check_placement_flags
 from common.errors import PipelineError
 from common.extract_io import (
     NUM_STATES,
@@ -76,7 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     placement = model.add_mutually_exclusive_group()
     placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if present)")
     placement.add_argument("--device-map", choices=["auto"], default=None,
-                           help="spread one large target over all visible GPUs")
+                           help="spread one large target over all visible GPUs (planned from its packed sizes; "
+                                "refused, never offloaded, when it does not fit)")
+    model.add_argument("--max-memory", default=None, metavar="SIZE",
+                       help="with --device-map auto: budget per GPU, e.g. 130GiB or 0=130GiB,1=120GiB "
+                            "(default: each GPU's free memory)")
     batching = parser.add_argument_group("batching and sharding")
     batching.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
                           help="padded tokens per forward pass (default: %(default)s)")
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_map(info.path)  # a folder without weights is refused before the output folder is touched
     layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
     device, dtype = resolve_device(args)
+    check_placement_flags(args.device_map, args.max_memory)
 
     # 2. The prepared samples, refused if their ids do not fit the target's vocabulary.
     ds, report = load_prepared(prepared_dir)
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
     stats = ExtractStats()
     if mine - done:
-        model = load_target_model(info, dtype, device, args.device_map)
+        model = load_target_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
         show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
         stats = ExtractionRun(StateExtractor(model, layer_ids), ds, out, show_progress=show).run(batches, done, lengths)
 

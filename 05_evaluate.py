@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.device_plan import check_placement_flags
 from common.draft import load_draft
 from common.errors import PipelineError
 from common.evaluate import (
@@ -82,7 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     placement = model.add_mutually_exclusive_group()
     placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda if present)")
     placement.add_argument("--device-map", choices=["auto"], default=None,
-                           help="spread one large target over all visible GPUs (the draft goes on cuda:0)")
+                           help="spread one large target over all visible GPUs (the draft goes on cuda:0); "
+                                "refused, never offloaded, when it does not fit")
+    model.add_argument("--max-memory", default=None, metavar="SIZE",
+                       help="with --device-map auto: budget per GPU, e.g. 130GiB or 0=130GiB,1=120GiB")
     args = parser.parse_args(argv)
     for flag in ("num_speculative_tokens", "max_new_tokens", "max_prompts", "max_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -93,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     k = args.num_speculative_tokens
+    check_placement_flags(args.device_map, args.max_memory)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() or args.device_map else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. measured: plain greedy once, then speculative decoding with each draft
     if not args.offline_only:
-        model = load_target_model(info, dtype, str(device), args.device_map)
+        context = max((len(p.ids) for p in prompts), default=0) + args.max_new_tokens + k + 1  # longest sequence
+        model = load_target_model(info, dtype, str(device), args.device_map, args.max_memory, context, logits=True)
         stop_ids = stop_token_ids(info.path, info.text_config)
         print(f"decoding {len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a "
               f"prompt skipped), up to {args.max_new_tokens} new tokens each, stop ids {sorted(stop_ids)}")

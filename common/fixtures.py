@@ -8,7 +8,8 @@ lm_head, Kimi's 163840-token vocabulary with its special tokens at their real id
 tiktoken tokenizer with Kimi's chat format. The flat one is a plain Llama with a fast tokenizer
 and a ChatML template.
 
-    python -m common.fixtures kimi DIR     # Kimi-style target
+    python -m common.fixtures kimi DIR     # Kimi-style target (routed experts INT4, as Kimi-K2.5)
+    python -m common.fixtures kimi-bf16 DIR  # the same with bf16 experts
     python -m common.fixtures flat DIR     # flat target
 """
 
@@ -27,11 +28,13 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from common.int4_experts import quantize_routed_experts
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
 KIMI_CODE_DIR = Path(__file__).resolve().parent / "kimi_k25_code"
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "targets"
-FIXTURE_VERSION = 5  # bump when the generated targets change, so caches are rebuilt
+FIXTURE_VERSION = 6  # bump when the generated targets change, so caches are rebuilt
 
 KIMI_VOCAB_SIZE = 163840
 KIMI_SPECIAL_TOKENS = {
@@ -208,8 +211,12 @@ def _corpus_fitted_state(model: torch.nn.Module, seed: int, bpe: Tokenizer) -> d
     return state
 
 
-def write_kimi_target(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the Kimi-K2.5-shaped miniature target into `out_dir`."""
+def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = True,
+                      text_overrides: dict | None = None, num_shards: int = 4) -> Path:
+    """Write the Kimi-K2.5-shaped miniature target into `out_dir`: routed experts stored as
+    Kimi-K2.5 stores them (compressed-tensors pack-quantized INT4, group 32), or in bf16 with
+    `int4_experts=False` (for exact arithmetic). `text_overrides` changes text_config fields
+    (the benchmarks' variant where experts dominate the weights)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from common.kimi_k25_code.configuration_kimi_k25 import KimiK25VisionConfig
@@ -217,6 +224,7 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    text_config = {**KIMI_TEXT_CONFIG, **(text_overrides or {})}
     for name in ("configuration_kimi_k25.py", "modeling_kimi_k25.py", "tokenization_kimi.py"):
         shutil.copy(KIMI_CODE_DIR / name, out / name)
 
@@ -230,10 +238,9 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0) -> Path:
         "model_type": "kimi_k25", "tie_word_embeddings": False,
         "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
         "media_placeholder_token_id": 163605, "ignore_index": -100,
-        "text_config": KIMI_TEXT_CONFIG, "vision_config": KIMI_VISION_CONFIG,
+        "text_config": text_config, "vision_config": KIMI_VISION_CONFIG,
         "torch_dtype": "bfloat16", "transformers_version": "4.57.6",
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
 
     # Tokenizer: a small BPE over the demo corpus, Kimi's specials at their real ids.
     bpe = train_byte_bpe(demo_corpus(), BPE_SIZE)
@@ -253,12 +260,16 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0) -> Path:
 
     # Weights: the text model under `language_model.`, plus the vision keys of the real checkpoint.
     torch.manual_seed(seed)
-    text = DeepseekV3ForCausalLM(DeepseekV3Config(**KIMI_TEXT_CONFIG))
+    text = DeepseekV3ForCausalLM(DeepseekV3Config(**text_config))
     state = {f"language_model.{k}": v for k, v in _corpus_fitted_state(text, seed, bpe).items()}
+    del text
+    if int4_experts:  # a separate step on the finished weights, as a real checkpoint is quantized after training
+        state, text_config["quantization_config"] = quantize_routed_experts(state)
     vcfg = KimiK25VisionConfig(**KIMI_VISION_CONFIG)
     for prefix, module in (("vision_tower", MoonViTStub(vcfg)), ("mm_projector", PatchMergerProjector(vcfg))):
         state.update({f"{prefix}.{k}": t for k, t in _random_state(module, seed + 1).items()})
-    _write_shards(state, out, num_shards=4)
+    _write_shards(state, out, num_shards=num_shards)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 163584, "eos_token_id": 163586}))
     return out
@@ -287,7 +298,12 @@ def write_flat_target(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-WRITERS = {"kimi": write_kimi_target, "flat": write_flat_target}
+def write_kimi_bf16_target(out_dir: str | Path, seed: int = 0) -> Path:
+    """The Kimi-style miniature with its routed experts in bf16 (same weights before quantization)."""
+    return write_kimi_target(out_dir, seed=seed, int4_experts=False)
+
+
+WRITERS = {"kimi": write_kimi_target, "kimi-bf16": write_kimi_bf16_target, "flat": write_flat_target}
 
 
 def ensure_target(kind: str = "kimi", cache_dir: Path = DEFAULT_CACHE) -> Path:

@@ -85,11 +85,14 @@ def shard_batches(batches: list[list[int]], num_shards: int, shard_index: int) -
     return batches[shard_index::num_shards]
 
 
-def load_target_model(info: TargetInfo, dtype: torch.dtype, device: str, device_map: str | None) -> torch.nn.Module:
-    """The target's text model; any failure to build it names the target folder."""
+def load_target_model(info: TargetInfo, dtype: torch.dtype, device: str, device_map: str | None,
+                      max_memory: str | None = None, batch_tokens: int = 2048, logits: bool = False) -> torch.nn.Module:
+    """The target's text model; any failure to build it names the target folder. With
+    `device_map="auto"` it is planned on the GPUs (`common.device_plan`) or refused."""
     try:
-        return load_text_model(info, dtype=dtype, device=device, device_map=device_map)
-    except TargetError:
+        return load_text_model(info, dtype=dtype, device=device, device_map=device_map, max_memory=max_memory,
+                               batch_tokens=batch_tokens, logits=logits)
+    except PipelineError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors, accelerate and torch raise many types here
         raise TargetError(f"target {info.path}: cannot load its weights: {type(e).__name__}: {e}") from e

@@ -44,6 +44,7 @@ class TargetInfo:
     rms_norm_eps: float
     weight_prefix: str  # "language_model." for a nested checkpoint, "" for a flat one
     text_config: PretrainedConfig
+    quantization_config: dict | None = None  # compressed-tensors config (Kimi-K2.5: INT4 routed experts)
 
     @property
     def nested(self) -> bool:
@@ -104,7 +105,13 @@ def load_target_info(path: str | Path, trust_remote_code: bool = True) -> Target
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
         weight_prefix=NESTED_PREFIX if nested else "",
         text_config=text,
+        quantization_config=_quantization_dict(text) or _quantization_dict(config),
     )
+
+
+def _quantization_dict(config: PretrainedConfig) -> dict | None:
+    raw = getattr(config, "quantization_config", None)
+    return raw.to_dict() if hasattr(raw, "to_dict") else raw
 
 
 def weight_map(path: str | Path) -> dict[str, str]:
@@ -129,58 +136,104 @@ def read_tensors(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
     out = {}
     for shard, keys in by_shard.items():
         if not (path / shard).is_file():
-            raise TargetError(f"target {path}: shard {shard} named in {INDEX_FILE} is missing")
+            more = f" and {len(keys) - 1:,} more" if len(keys) > 1 else ""
+            raise TargetError(f"target {path}: shard {shard} named in {INDEX_FILE} is missing "
+                              f"(it holds {keys[0]}{more})")
         with safe_open(str(path / shard), framework="pt") as f:
             out.update({k: f.get_tensor(k) for k in keys})
     return out
 
 
 def load_text_model(info: TargetInfo, dtype: torch.dtype = torch.float32, device: str | None = "cpu",
-                    device_map: str | dict | None = None) -> torch.nn.Module:
+                    device_map: str | dict | None = None, max_memory: str | None = None,
+                    batch_tokens: int = 2048, logits: bool = False) -> torch.nn.Module:
     """The target's text model as a transformers causal LM, in eval mode.
 
-    A flat checkpoint loads through `from_pretrained`. A nested one is built from `text_config`
-    (DeepSeek-V3 is native in transformers) on the meta device and filled with the
-    `language_model.*` tensors only, prefix stripped: the vision tower is never instantiated
-    and its tensors are never read. (transformers' own `key_mapping` cannot do this: it decides
-    whether the checkpoint is a base model from the unmapped keys and refuses.)
-    `device_map="auto"` spreads a large target over all GPUs."""
+    A plain flat checkpoint on one device loads through `from_pretrained`. Anything else (a
+    nested checkpoint, compressed-tensors weights, `device_map="auto"`) is built from the text
+    config on the meta device and filled tensor by tensor: for a nested one only the
+    `language_model.*` tensors are read, prefix stripped, so the vision tower is never built
+    (transformers' `key_mapping` cannot do this: it decides whether the checkpoint is a base
+    model from the unmapped keys and refuses). Pack-quantized layers (Kimi-K2.5's routed
+    experts) become `PackedLinear`s and stay packed. `device_map="auto"` spreads the model over
+    the visible GPUs with `common.device_plan` (budgets `max_memory`, activation headroom for
+    `batch_tokens`, with `logits` when the lm_head runs), or refuses."""
     from transformers import AutoModelForCausalLM
 
     weight_map(info.path)  # fail early, naming the folder, when there are no weights
-    if not info.nested:
-        kwargs = {"dtype": dtype} if device_map is None else {"dtype": dtype, "device_map": device_map}
-        model = AutoModelForCausalLM.from_pretrained(info.path, **kwargs)
-        return (model.to(device) if device_map is None and device else model).eval()
-    return _load_nested(info, dtype, device or "cpu", device_map).eval()
+    if not info.nested and not info.quantization_config and device_map is None:
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
+        return (model.to(device) if device else model).eval()
+    model = empty_text_model(info, dtype)
+    if device_map == "auto":
+        from common.device_plan import activation_headroom, block_sizes, gpu_budgets, plan_device_map
+
+        headroom = activation_headroom(info.text_config, batch_tokens, dtype, logits=logits)
+        plan = plan_device_map(block_sizes(model, dtype), gpu_budgets(max_memory), headroom)
+        print(f"device map: {plan.summary()}")
+        device_map = plan.placement
+    return _fill_model(model, info, dtype, device or "cpu", device_map).eval()
 
 
-def _load_nested(info: TargetInfo, dtype: torch.dtype, device: str, device_map: str | dict | None) -> torch.nn.Module:
+def empty_text_model(info: TargetInfo, dtype: torch.dtype) -> torch.nn.Module:
+    """The text model on the meta device, its pack-quantized layers as `PackedLinear`s."""
     import transformers
-    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
+    from accelerate import init_empty_weights
+
+    from common.int4_experts import packed_modules, parse_quantization_config, replace_with_packed
 
     cls = getattr(transformers, info.text_architecture, None)
     if cls is None:
         raise TargetError(f"target {info.path}: text architecture {info.text_architecture} is not in transformers")
+    quantization = parse_quantization_config(info.quantization_config, f"target {info.path}")
     with init_empty_weights():  # parameters on meta, buffers (rotary tables) real
         model = cls._from_config(info.text_config, dtype=dtype)
-    if device_map == "auto":
-        device_map = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
-    placement = device_map if isinstance(device_map, dict) else {"": device}
+        if quantization is not None:
+            replace_with_packed(model, packed_modules(model, quantization, info.weight_prefix))
+    return model
 
-    expected = set(model.state_dict())
+
+def _fill_model(model: torch.nn.Module, info: TargetInfo, dtype: torch.dtype, device: str,
+                device_map: dict | None) -> torch.nn.Module:
+    from accelerate import dispatch_model
+    from accelerate.utils import set_module_tensor_to_device
+
+    from common.int4_experts import PackedLinear, QuantizedTargetError, check_packed_tensor
+
+    placement = device_map if isinstance(device_map, dict) else {"": device}
+    expected = model.state_dict()
     names = [k for k in weight_map(info.path) if k.startswith(info.weight_prefix)]
     stripped = {k[len(info.weight_prefix):]: k for k in names}
-    unexpected = sorted(set(stripped) - expected)
-    missing = sorted(expected - set(stripped))
+    tied = {"lm_head.weight"} if getattr(info.text_config, "tie_word_embeddings", False) else set()
+    unexpected = sorted(set(stripped) - set(expected))
+    missing = sorted(set(expected) - set(stripped) - tied)
     if unexpected or missing:
-        raise TargetError(f"target {info.path}: weights do not fit {info.text_architecture}: "
-                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        hint = ""
+        if any(k.endswith(".weight_packed") for k in unexpected):
+            hint = ("; the checkpoint holds compressed-tensors packed weights that its quantization_config "
+                    + ("does not name" if info.quantization_config else "(missing from config.json) would describe"))
+        raise TargetError(f"target {info.path}: weights do not fit {info.text_architecture}"
+                          f"{' with its quantization_config' if info.quantization_config else ''}: "
+                          f"missing {missing[:5]}, unexpected {unexpected[:5]}{hint}")
     for shard_names in _by_shard(info.path, names).values():
         for key, tensor in read_tensors(info.path, shard_names).items():
             name = key[len(info.weight_prefix):]
+            module_name, _, param = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if isinstance(module, PackedLinear):  # kept as stored: int32 words, bf16 scales
+                try:
+                    check_packed_tensor(key, tensor, module, param)
+                except QuantizedTargetError as e:
+                    raise TargetError(f"target {info.path}: {e}") from e
+                set_module_tensor_to_device(model, name, _device_for(name, placement), value=tensor,
+                                            dtype=tensor.dtype)
+                continue
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise TargetError(f"target {info.path}: {key} has shape {list(tensor.shape)}, "
+                                  f"{info.text_architecture} expects {list(expected[name].shape)}")
             set_module_tensor_to_device(model, name, _device_for(name, placement), value=tensor, dtype=dtype)
+    if tied:
+        model.tie_weights()
     if isinstance(device_map, dict) and len(set(device_map.values())) > 1:
         return dispatch_model(model, device_map=device_map)
     return model.to(next(iter(placement.values())))

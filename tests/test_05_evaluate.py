@@ -28,6 +28,7 @@ from common.speculative import (
     speculative_generate,
     stop_token_ids,
 )
+from common.int4_experts import PackedLinear
 from common.target import load_target_info, load_text_model
 from common.training import simulated_acceptance_length
 from common.vocab import build_maps
@@ -153,6 +154,7 @@ def test_speculative_decoding_is_lossless(models, name):
     and with an oracle draft that gets 0..k tokens accepted; the states handed to the draft are
     the target's own states at the verified positions."""
     model, info, draft = models[name]
+    assert (name == "kimi") == any(isinstance(m, PackedLinear) for m in model.modules())  # INT4 experts, as Kimi-K2.5
     stop_ids = stop_token_ids(info.path, info.text_config)
     layer_ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
     _, layers = decoder_parts(model)
