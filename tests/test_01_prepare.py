@@ -451,6 +451,40 @@ def test_bad_input_is_skipped_and_counted(bad_run):
     assert any("skipped 2 sample(s): malformed_record" in line for line in lines)
 
 
+AGENTIC_LINES = [
+    json.dumps({"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Need it.", "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},  # no id
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "14 C"},
+        {"role": "assistant", "content": "14 °C.", "reasoning_content": "Report."}]}),
+    json.dumps(IMAGE_RECORD),
+    json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "oops"},
+                                  {"from": "gpt", "value": "a"}]}),
+]
+
+
+@pytest.mark.parametrize("kind", ["kimi", "flat"])
+def test_report_counts_reasoning_tool_calls_media_and_skips(kind, request, tmp_path):
+    path = tmp_path / "agentic.jsonl"
+    path.write_text("\n".join(AGENTIC_LINES) + "\n", encoding="utf-8")
+    report = _prepare(request.getfixturevalue(f"{kind}_target"), [path], tmp_path / "prepared")
+    assert (report.samples_read, report.samples_kept, report.dropped) == (3, 3, {})  # nothing else is lost
+    assert (report.supervised_turns, report.reasoning_turns, report.stripped_turns, report.tool_calls) == (4, 2, 0, 1)
+    assert report.tool_calls_skipped == {"arguments_not_json": 1, "no_id": 1} and report.media_parts_dropped == 1
+    assert report.tool_call_examples["no_id"] == f"{path}:1"
+    # ChatML has no place for tool calls: said, not hidden.
+    assert report.tool_calls_not_rendered == (kind == "flat")
+    assert report.rendering["template_switches"] == ({"preserve_thinking": True} if kind == "kimi" else {})
+    assert report.rendering["renders_tool_calls"] == (kind == "kimi")
+    assert PrepareReport.load(tmp_path / "prepared") == report
+    lines = warning_lines(report)
+    assert any("skipped 1 malformed tool call(s): no_id" in line for line in lines)
+    assert any("not in the text" in line for line in lines) == (kind == "flat")
+
+
 def test_truncation_keeps_the_prefix(bad_run, kimi_target, maskers):
     report, folder = bad_run
     ds, _ = load_prepared(folder)
