@@ -11,8 +11,9 @@ from transformers import AutoTokenizer
 
 from common.conversations import (Conversation, Message, Rejection, ToolCall, iter_records, resolve_inputs,
                                   to_conversation)
+from common.cli import default_input
 from common.errors import PipelineError
-from common.fixtures import FLAT_CHAT_TEMPLATE
+from common.fixtures import FLAT_CHAT_TEMPLATE, REPO_ROOT
 from common.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
 from common.prepare import PrepareOptions, prepare, summary_lines, warning_lines
 from common.prepared import COLUMNS, PrepareReport, load_prepared
@@ -518,6 +519,28 @@ def test_bad_flag_values(kimi_target, demo_conversations, tmp_path):
                          ("--max-samples", {"max_samples": 0})):
         with pytest.raises(PipelineError, match=flag):
             _prepare(kimi_target, [demo_conversations], tmp_path / "out", **kwargs)
+
+
+def test_default_input_is_every_shipped_demo_file():
+    names = [p.name for p in default_input()]
+    assert {"demo_conversations.jsonl", "demo_agentic.jsonl"} <= set(names) and names == sorted(names)
+    assert all(p.parent == REPO_ROOT / "data" and p.name.startswith("demo_") for p in default_input())
+
+
+def test_demo_agentic_data_is_clean_and_agentic(demo_conversations):
+    """Every call well formed and answered, contents plain strings (renderable by any template), and
+    a realistic share of tool use and reasoning."""
+    lines = (demo_conversations.parent / "demo_agentic.jsonl").read_text(encoding="utf-8").splitlines()
+    conversations = [to_conversation(str(i), json.loads(line)) for i, line in enumerate(lines)]
+    assert all(isinstance(c, Conversation) and not c.skipped_tool_calls for c in conversations)
+    assert all(isinstance(m["content"], str) for line in lines for m in json.loads(line)["messages"])
+    with_tools = [c for c in conversations if any(m.tool_calls for m in c.messages)]
+    for c in with_tools:
+        calls = [call.id for m in c.messages for call in m.tool_calls]
+        assert [m.tool_call_id for m in c.messages if m.role == "tool"] == calls
+        assert {call.name for m in c.messages for call in m.tool_calls} <= {t["function"]["name"] for t in c.tools}
+    assert 0.4 <= len(with_tools) / len(conversations) <= 0.7
+    assert all(any(m.reasoning for m in c.messages) for c in conversations)
 
 
 # --- the script --------------------------------------------------------------------------------
