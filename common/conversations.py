@@ -282,7 +282,8 @@ class _Builder:
     def calls_from(self, raw: Any, default_ids: bool) -> tuple[ToolCall, ...]:
         calls = []
         for call in raw if isinstance(raw, list) else [raw]:
-            name = call.get("function", call).get("name") if isinstance(call, dict) else None
+            function = call.get("function", call) if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
             default_id = f"functions.{name}:{self.calls}" if default_ids else None  # Kimi's id form
             parsed = _tool_call(call, default_id)
             if isinstance(parsed, str):
