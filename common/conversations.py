@@ -12,8 +12,8 @@ two forms; an optional `id` names it, else it is named `<file>:<line>` (JSONL, f
   `reasoning_content` (or `reasoning`), `tool_calls` (`[{"id", "function": {"name",
   "arguments"}}]`, arguments an object or a string of JSON) and, on tool results, `tool_call_id`.
 - ShareGPT: `{"conversations": [{"from", "value"}], "system"?, "tools"?}` with `human`/`gpt`
-  turns and the function-calling variant's `function_call` / `observation` turns (`tools` may
-  be a string of JSON, as that variant writes it).
+  turns and the function-calling variants' `function_call` (or `tool_call`) and `observation`
+  (or `function_response`, `tool`) turns (`tools` may be a string of JSON, as they write it).
 
 A file that cannot be read at all is a `PipelineError` naming it; one bad record is a
 `Rejection` with a reason, so the caller skips and counts it and the run goes on. A malformed
@@ -42,6 +42,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "human": "us
 # Roles whose `name` is passed on. An assistant name would change the assistant header, which at
 # inference is always the generation prompt's (`assistant`).
 NAMED_ROLES = {"system", "user"}
+# ShareGPT function-calling variants: the turn names of a call and of its result.
+SHAREGPT_CALL_TURNS = {"function_call", "tool_call"}
+SHAREGPT_RESULT_TURNS = {"observation", "function_response", "tool"}
 # Content parts that are media: dropped from the text, counted.
 MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url"}
 
@@ -332,7 +335,7 @@ def _sharegpt_turn(builder: _Builder, m: dict) -> Rejection | None:
     `observation` (the result of the oldest call still waiting) turns. ShareGPT has no call ids:
     they are made up in Kimi's form `functions.NAME:INDEX`."""
     role, value = m.get("from"), m.get("value")
-    if role == "function_call":
+    if role in SHAREGPT_CALL_TURNS:
         try:
             raw = json.loads(value) if isinstance(value, str) else value
         except json.JSONDecodeError:
@@ -346,7 +349,7 @@ def _sharegpt_turn(builder: _Builder, m: dict) -> Rejection | None:
             builder.messages[-1] = replace(last, tool_calls=calls)
             return None
         return builder.add("assistant", "", tool_calls=calls, had_calls=True)
-    if role == "observation":
+    if role in SHAREGPT_RESULT_TURNS:
         call_id = builder.pending_ids.pop(0) if builder.pending_ids else None
         return builder.add("tool", value, tool_call_id=call_id)
     return builder.add(role, value)

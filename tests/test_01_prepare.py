@@ -346,15 +346,17 @@ def test_openai_tool_calls_results_and_list_content():
     assert [m.role for m in to_conversation("f:2", only_bad).messages] == ["user", "assistant"]
 
 
-def test_sharegpt_function_call_and_observation_turns():
+@pytest.mark.parametrize("call_turn, result_turn", [("function_call", "observation"), ("tool_call", "tool"),
+                                                    ("function_call", "function_response")])
+def test_sharegpt_function_call_and_observation_turns(call_turn, result_turn):
     record = {"system": "Use tools.", "tools": '[{"name": "weather", "parameters": {}}]', "conversations": [
         {"from": "human", "value": "Weather in Oslo and Rome?"},
         {"from": "gpt", "value": "Checking."},
-        {"from": "function_call", "value": '[{"name": "weather", "arguments": {"city": "Oslo"}}, '
-                                           '{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]'},
-        {"from": "observation", "value": "-2 C"},
-        {"from": "observation", "value": "18 C"},
-        {"from": "function_call", "value": "not json"},
+        {"from": call_turn, "value": '[{"name": "weather", "arguments": {"city": "Oslo"}}, '
+                                     '{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]'},
+        {"from": result_turn, "value": "-2 C"},
+        {"from": result_turn, "value": "18 C"},
+        {"from": call_turn, "value": "not json"},
         {"from": "gpt", "value": "Oslo -2 C, Rome 18 C."}]}
     conversation = to_conversation("s:1", record)
     assert conversation.tools == [{"name": "weather", "parameters": {}}]
