@@ -1,12 +1,15 @@
 """Step 01: conversations -> tokenized samples with loss masks (RUN/prepared/).
 
 Each conversation is rendered with the target tokenizer's own chat template; the loss mask is 1
-on the assistant turns (thinking block, content, end-of-turn token). Inputs: JSONL, JSON,
-Parquet, a saved Hugging Face dataset, or a folder of them; OpenAI (`messages`) or ShareGPT
-(`conversations`) form. Bad samples are skipped and counted by reason in prepare_report.json.
+on what the target generates for each assistant turn after the generation prompt (reasoning,
+`</think>`, content, tool calls, end-of-turn token). Reasoning of every turn is kept through the
+template's own switch (Kimi: preserve_thinking=True). Inputs: JSONL, JSON, Parquet, a saved
+Hugging Face dataset, or a folder of them; OpenAI (`messages`, `tools`, `tool_calls`, tool
+results, list content) or ShareGPT (`conversations`, with function_call/observation turns) form.
+Bad samples and malformed tool calls are skipped and counted by reason in prepare_report.json.
 
 Usage:
-    python 01_prepare_data.py                      # demo conversations, miniature Kimi-style target
+    python 01_prepare_data.py                      # every data/demo_*.jsonl, miniature Kimi-style target
     python 01_prepare_data.py --input data/ --target /models/Kimi-K2.5 --trust-remote-code \\
         --output runs/kimi/prepared --max-len 2048 --num-proc 16
     python 01_prepare_data.py --input chats.jsonl --max-samples 1000 --seed 0   # a random subset
@@ -28,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_args(parser)
     data = parser.add_argument_group("data")
     data.add_argument("--input", type=Path, nargs="+", default=None,
-                      help="conversation files or folders (default: the shipped demo conversations)")
+                      help="conversation files or folders (default: every shipped data/demo_*.jsonl)")
     data.add_argument("--output", type=Path, default=None, help="prepared dataset folder (default: RUN_DIR/prepared)")
     data.add_argument("--max-samples", type=int, default=None,
                       help="keep a random subset of this many valid conversations (default: all)")

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from common.fixtures import DEMO_CONVERSATIONS, REPO_ROOT, ensure_target
+from common.fixtures import REPO_ROOT, ensure_target
 
 DEFAULT_RUN_DIR = REPO_ROOT / "runs" / "default"
 STAGE_DIRS = {
@@ -51,8 +51,12 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, bool]:
     return Path(args.target), bool(args.trust_remote_code)
 
 
+DEMO_DATA_GLOB = "demo_*.jsonl"
+
+
 def default_input() -> list[Path]:
-    return [DEMO_CONVERSATIONS]
+    """Every shipped demo file (`data/demo_*.jsonl`: chat, reasoning and tool use), in name order."""
+    return sorted((REPO_ROOT / "data").glob(DEMO_DATA_GLOB))
 
 
 class Terminated(BaseException):

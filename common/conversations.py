@@ -1,52 +1,108 @@
 """Reading conversations: input files of several formats, normalised to one message schema.
 
 Inputs are JSONL, JSON (a list of records or `{"data": [...]}`), Parquet, a saved Hugging Face
-dataset (`save_to_disk`), or a folder holding any of these. A record is a conversation in
-OpenAI form, `{"messages": [{"role", "content", "reasoning_content"?}]}`, or ShareGPT form,
-`{"conversations": [{"from", "value"}]}`; an optional `id` names it, else it is named
-`<file>:<line>` (JSONL, from 1) or `<file>:<row>` (other formats, from 0).
+dataset (`save_to_disk`), or a folder holding any of these. A record is a conversation in one of
+two forms; an optional `id` names it, else it is named `<file>:<line>` (JSONL, from 1) or
+`<file>:<row>` (other formats, from 0).
+
+- OpenAI: `{"messages": [...], "tools"?: [...]}`; a message has `role` (system, developer,
+  user, assistant, tool), `content` (a string, or a list of parts: text parts are concatenated,
+  image/audio/video parts are dropped and counted: the pipeline runs the language model only, so
+  it could not compute the vision features a media placeholder stands for), optional `name`,
+  `reasoning_content` (or `reasoning`), `tool_calls` (`[{"id", "function": {"name",
+  "arguments"}}]`, arguments an object or a string of JSON) and, on tool results, `tool_call_id`.
+- ShareGPT: `{"conversations": [{"from", "value"}], "system"?, "tools"?}` with `human`/`gpt`
+  turns and the function-calling variants' `function_call` (or `tool_call`) and `observation`
+  (or `function_response`, `tool`) turns (`tools` may be a string of JSON, as they write it).
 
 A file that cannot be read at all is a `PipelineError` naming it; one bad record is a
-`Rejection` with a reason, so the caller skips and counts it and the run goes on.
+`Rejection` with a reason, so the caller skips and counts it and the run goes on. A malformed
+tool call (no id, no function name, arguments neither an object nor JSON text) is skipped and
+its reason kept on the conversation (`Conversation.skipped_tool_calls`); the rest is used.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from common.errors import PipelineError
 
 __all__ = [
-    "Message", "Conversation", "Rejection", "FORMATS", "SUFFIXES", "resolve_inputs", "iter_records",
+    "Message", "ToolCall", "Conversation", "Rejection", "FORMATS", "SUFFIXES", "resolve_inputs", "iter_records",
     "to_conversation",
 ]
 
 # ShareGPT `from` values and OpenAI roles, mapped to the roles chat templates know.
-ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
+         "gpt": "assistant", "tool": "tool"}
+# Roles whose `name` is passed on. An assistant name would change the assistant header, which at
+# inference is always the generation prompt's (`assistant`).
+NAMED_ROLES = {"system", "user"}
+# ShareGPT function-calling variants: the turn names of a call and of its result.
+SHAREGPT_CALL_TURNS = {"function_call", "tool_call"}
+SHAREGPT_RESULT_TURNS = {"observation", "function_response", "tool"}
+# Content parts that are media: dropped from the text, counted.
+MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url"}
 
 # Drop reasons of this stage (the report's keys).
 MALFORMED_RECORD = "malformed_record"
+MALFORMED_TOOLS = "malformed_tools"
 UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 EMPTY_CONTENT = "empty_content"
 NON_STRING_CONTENT = "non_string_content"
+# Reasons a single tool call is skipped (the report's `tool_calls_skipped` keys).
+TOOL_CALL_NO_ID = "no_id"
+TOOL_CALL_BAD_ARGUMENTS = "arguments_not_json"
+TOOL_CALL_MALFORMED = "no_function_name"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text: verbatim if the input gave a string, else the object serialised
+    arguments_is_object: bool = False  # the input gave an object: the template gets the object
+
+    def to_template(self) -> dict:
+        arguments = json.loads(self.arguments) if self.arguments_is_object else self.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
 
 @dataclass(frozen=True)
 class Message:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str
     reasoning: str | None = None  # the assistant's thinking, rendered by the template
+    name: str | None = None
+    tool_call_id: str | None = None  # tool results: the call they answer
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def to_template(self) -> dict:
+        """The message as chat templates take it (OpenAI form)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        return out
 
 
 @dataclass(frozen=True)
 class Conversation:
     sample_id: str
     messages: tuple[Message, ...]
+    tools: list | None = None  # tool declarations, passed to the template as `tools`
+    media_parts: int = 0  # media content parts dropped
+    skipped_tool_calls: tuple[str, ...] = ()  # the reason of each malformed call skipped
 
 
 @dataclass(frozen=True)
@@ -166,24 +222,165 @@ def iter_records(sources: Iterable[tuple[Path, str]]) -> Iterator[Record]:
 
 # --- normalisation: record -> Conversation or Rejection ---------------------------------------
 
-def _openai_message(m: Any) -> tuple[Any, Any, Any]:
-    return m.get("role"), m.get("content"), m.get("reasoning_content")
+def _parse_arguments(arguments: Any) -> tuple[str, bool] | None:
+    """(text, is_object) of a call's arguments: an object (kept as an object: templates render
+    it as JSON), or a string holding JSON (kept verbatim); None for anything else."""
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False), True
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+        return arguments, False
+    return None
 
 
-def _sharegpt_message(m: Any) -> tuple[Any, Any, Any]:
-    return m.get("from"), m.get("value"), None
+def _tool_call(call: Any, default_id: str | None) -> ToolCall | str:
+    """One OpenAI-style call `{"id", "function": {"name", "arguments"}}` (or a bare
+    `{"name", "arguments"}`); a skip reason if it is malformed."""
+    if not isinstance(call, dict):
+        return TOOL_CALL_MALFORMED
+    function = call.get("function", call)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        return TOOL_CALL_MALFORMED
+    call_id = call.get("id") or default_id
+    if not isinstance(call_id, str) or not call_id:
+        return TOOL_CALL_NO_ID
+    arguments = _parse_arguments(function.get("arguments", {}))
+    if arguments is None:
+        return TOOL_CALL_BAD_ARGUMENTS
+    return ToolCall(call_id, function["name"], *arguments)
 
 
-# Record key -> reader of one message as (role, content, reasoning).
-CONVERSATION_FORMS: dict[str, Callable[[dict], tuple[Any, Any, Any]]] = {
-    "messages": _openai_message,
-    "conversations": _sharegpt_message,
+def _content(content: Any) -> tuple[str, int] | None:
+    """(text, media parts dropped) of a string or a list of parts; None if neither."""
+    if isinstance(content, str):
+        return content, 0
+    if not isinstance(content, list):
+        return None
+    texts, media = [], 0
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+            media += 1
+        else:
+            return None
+    return "".join(texts), media
+
+
+class _Builder:
+    """Collects one conversation's messages and what was skipped on the way."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.media = 0
+        self.skipped: list[str] = []
+        self.pending_ids: list[str] = []  # ShareGPT: calls whose observation has not come yet
+        self.calls = 0
+
+    def calls_from(self, raw: Any, default_ids: bool) -> tuple[ToolCall, ...]:
+        calls = []
+        for call in raw if isinstance(raw, list) else [raw]:
+            function = call.get("function", call) if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            default_id = f"functions.{name}:{self.calls}" if default_ids else None  # Kimi's id form
+            parsed = _tool_call(call, default_id)
+            if isinstance(parsed, str):
+                self.skipped.append(parsed)
+            else:
+                calls.append(parsed)
+                self.calls += 1
+        return tuple(calls)
+
+    def add(self, role: Any, content: Any, reasoning: Any = None, *, name: Any = None, tool_call_id: Any = None,
+            tool_calls: tuple[ToolCall, ...] = (), had_calls: bool = False) -> Rejection | None:
+        """Append one message; `had_calls`: the input turn had tool calls (maybe all malformed)."""
+        role = role.lower() if isinstance(role, str) else role
+        if not isinstance(role, str) or role not in ROLES:
+            return Rejection(UNKNOWN_ROLE, f"role {role!r}")
+        role = ROLES[role]
+        if content is None and role == "assistant" and (had_calls or reasoning):
+            content = ""
+        text = _content(content)
+        if text is None or not (reasoning is None or isinstance(reasoning, str)):
+            bad = content if text is None else reasoning
+            return Rejection(NON_STRING_CONTENT, f"{role} content of type {type(bad).__name__}")
+        text, media = text
+        self.media += media
+        if not text.strip() and not media and not tool_calls and role != "tool":
+            if had_calls:
+                return None  # its only tool calls were malformed: skipped and counted, not the conversation
+            return Rejection(EMPTY_CONTENT, f"empty {role} message")
+        self.messages.append(Message(
+            role, text, reasoning or None,  # an empty thinking block is no thinking
+            name=name if isinstance(name, str) and name and role in NAMED_ROLES else None,
+            tool_call_id=str(tool_call_id) if tool_call_id is not None else None, tool_calls=tool_calls))
+        return None
+
+
+def _openai_turn(builder: _Builder, m: dict) -> Rejection | None:
+    calls = builder.calls_from(m["tool_calls"], default_ids=False) if m.get("tool_calls") else ()
+    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    return builder.add(m.get("role"), m.get("content"), reasoning, name=m.get("name"),
+                       tool_call_id=m.get("tool_call_id"), tool_calls=calls, had_calls=bool(m.get("tool_calls")))
+
+
+def _sharegpt_turn(builder: _Builder, m: dict) -> Rejection | None:
+    """ShareGPT turns, with the function-calling variant's `function_call` (a JSON call or list
+    of calls, merged into the assistant turn just before it if that one has no calls yet) and
+    `observation` (the result of the oldest call still waiting) turns. ShareGPT has no call ids:
+    they are made up in Kimi's form `functions.NAME:INDEX`."""
+    role, value = m.get("from"), m.get("value")
+    if role in SHAREGPT_CALL_TURNS:
+        try:
+            raw = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError:
+            raw = None
+        calls = builder.calls_from(raw, default_ids=True) if isinstance(raw, (dict, list)) else ()
+        if raw is None or not isinstance(raw, (dict, list)):
+            builder.skipped.append(TOOL_CALL_BAD_ARGUMENTS)
+        builder.pending_ids += [c.id for c in calls]
+        last = builder.messages[-1] if builder.messages else None
+        if last is not None and last.role == "assistant" and not last.tool_calls:
+            builder.messages[-1] = replace(last, tool_calls=calls)
+            return None
+        return builder.add("assistant", "", tool_calls=calls, had_calls=True)
+    if role in SHAREGPT_RESULT_TURNS:
+        call_id = builder.pending_ids.pop(0) if builder.pending_ids else None
+        return builder.add("tool", value, tool_call_id=call_id)
+    return builder.add(role, value)
+
+
+# Record key -> reader of one turn into the builder.
+CONVERSATION_FORMS: dict[str, Callable[[_Builder, dict], Rejection | None]] = {
+    "messages": _openai_turn,
+    "conversations": _sharegpt_turn,
 }
 
 
 def _sample_id(default: str, record: dict) -> str:
     rid = record.get("id")
     return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid) else default
+
+
+def _tools(record: dict) -> list | Rejection | None:
+    """The conversation's tool declarations: a list of objects, or a string of JSON holding one
+    (ShareGPT function-calling data)."""
+    tools = record.get("tools")
+    if isinstance(tools, str) and tools.strip():
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            return Rejection(MALFORMED_TOOLS, f"'tools' is not valid JSON ({e.msg})")
+    if tools is None or tools == "" or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        return Rejection(MALFORMED_TOOLS, "'tools' must be a list of objects")
+    return tools
 
 
 def to_conversation(default_id: str, record: Any) -> Conversation | Rejection:
@@ -195,27 +392,19 @@ def to_conversation(default_id: str, record: Any) -> Conversation | Rejection:
     form = next((key for key in CONVERSATION_FORMS if isinstance(record.get(key), list)), None)
     if form is None:
         return Rejection(MALFORMED_RECORD, "no 'messages' or 'conversations' list")
-    messages = []
+    tools = _tools(record)
+    if isinstance(tools, Rejection):
+        return tools
+    builder = _Builder()
+    if isinstance(record.get("system"), str) and record["system"].strip():  # ShareGPT's top-level system prompt
+        builder.add("system", record["system"])
     for turn in record[form]:
         if not isinstance(turn, dict):
             return Rejection(MALFORMED_RECORD, f"a message must be an object, got {type(turn).__name__}")
-        message = _message(*CONVERSATION_FORMS[form](turn))
-        if isinstance(message, Rejection):
-            return message
-        messages.append(message)
-    if not any(m.role == "assistant" for m in messages):
-        return Rejection(NO_ASSISTANT_TURN, f"roles {[m.role for m in messages]}")
-    return Conversation(_sample_id(default_id, record), tuple(messages))
-
-
-def _message(role: Any, content: Any, reasoning: Any) -> Message | Rejection:
-    role = role.lower() if isinstance(role, str) else role
-    if not isinstance(role, str) or role not in ROLES:
-        return Rejection(UNKNOWN_ROLE, f"role {role!r}")
-    if not isinstance(content, str) or not (reasoning is None or isinstance(reasoning, str)):
-        bad = content if not isinstance(content, str) else reasoning
-        return Rejection(NON_STRING_CONTENT, f"{ROLES[role]} content of type {type(bad).__name__}")
-    if not content.strip():
-        return Rejection(EMPTY_CONTENT, f"empty {ROLES[role]} message")
-    # An empty thinking block is no thinking: the template then renders the turn as without it.
-    return Message(ROLES[role], content, reasoning or None)
+        rejection = CONVERSATION_FORMS[form](builder, turn)
+        if rejection is not None:
+            return rejection
+    if not any(m.role == "assistant" for m in builder.messages):
+        return Rejection(NO_ASSISTANT_TURN, f"roles {[m.role for m in builder.messages]}")
+    return Conversation(_sample_id(default_id, record), tuple(builder.messages), tools,
+                        builder.media, tuple(builder.skipped))

@@ -44,32 +44,14 @@ KIMI_SPECIAL_TOKENS = {
     163597: "<|tool_call_begin|>", 163598: "<|tool_call_argument_begin|>", 163599: "<|tool_call_end|>",
     163601: "<|im_middle|>", 163602: "<|media_begin|>", 163603: "<|media_content|>",
     163604: "<|media_end|>", 163605: "<|media_pad|>", 163606: "<think>", 163607: "</think>",
-    163838: "[UNK]", 163839: "[PAD]",
+    163590: "<|start_header_id|>", 163591: "<|end_header_id|>", 163838: "[UNK]", 163839: "[PAD]",
 }
-KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
-
-# Kimi-K2.5's chat format: `<|im_ROLE|>NAME<|im_middle|>CONTENT<|im_end|>`, no BOS, a default
-# system prompt when none is given, assistant turns after the last user message keep their
-# reasoning in `<think>...</think>`, earlier ones an empty `<think></think>`, and the
-# generation prompt ends with `<think>`.
-KIMI_CHAT_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- if not messages or messages[0]['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>" + KIMI_DEFAULT_SYSTEM + "<|im_end|>"
-    "{%- endif -%}"
-    "{%- for m in messages -%}"
-    "{%- set name = m.get('name') or m['role'] -%}"
-    "{%- if m['role'] == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- elif m['role'] == 'assistant' -%}<|im_assistant|>{{ name }}<|im_middle|>"
-    "{%- if loop.index0 > ns.last_user -%}<think>{{ m.get('reasoning_content') or '' }}</think>"
-    "{%- else -%}<think></think>{%- endif -%}"
-    "{{ m['content'] }}<|im_end|>"
-    "{%- else -%}<|im_system|>{{ name }}<|im_middle|>{{ m['content'] }}<|im_end|>"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|><think>{%- endif -%}"
-)
+# Added tokens that the real tokenizer config does not mark "special" (decoding with
+# skip_special_tokens keeps them: they are part of what the model says).
+KIMI_NON_SPECIAL = {"<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"}
+# Kimi-K2.5's chat format is a file next to the tokenizer (tokenizer_config.json has none).
+KIMI_CHAT_TEMPLATE_FILE = KIMI_CODE_DIR / "chat_template.jinja"
 
 FLAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 # ChatML with Qwen3-style reasoning blocks inside the assistant content.
@@ -225,7 +207,7 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = T
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text_config = {**KIMI_TEXT_CONFIG, **(text_overrides or {})}
-    for name in ("configuration_kimi_k25.py", "modeling_kimi_k25.py", "tokenization_kimi.py"):
+    for name in ("configuration_kimi_k25.py", "modeling_kimi_k25.py", "tokenization_kimi.py", "chat_template.jinja"):
         shutil.copy(KIMI_CODE_DIR / name, out / name)
 
     config = {
@@ -236,7 +218,7 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = T
             "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
         },
         "model_type": "kimi_k25", "tie_word_embeddings": False,
-        "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
+        "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
         "media_placeholder_token_id": 163605, "ignore_index": -100,
         "text_config": text_config, "vision_config": KIMI_VISION_CONFIG,
         "torch_dtype": "bfloat16", "transformers_version": "4.57.6",
@@ -246,14 +228,15 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = T
     bpe = train_byte_bpe(demo_corpus(), BPE_SIZE)
     (out / "tiktoken.model").write_text(tiktoken_ranks(bpe))
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True} for i, t in KIMI_SPECIAL_TOKENS.items()}
+                      "single_word": False, "special": t not in KIMI_NON_SPECIAL}
+             for i, t in KIMI_SPECIAL_TOKENS.items()}
     tokenizer_config = {
         "tokenizer_class": "TikTokenTokenizer",
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]",
         "added_tokens_decoder": added, "additional_special_tokens": ["<|im_end|>", "<|im_user|>",
-        "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<think>", "</think>"],
-        "model_max_length": 262144, "chat_template": KIMI_CHAT_TEMPLATE,
+        "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"],
+        "model_max_length": 262144,
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))

@@ -10,6 +10,7 @@ stays flat for 500K conversations.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from collections import Counter
@@ -23,7 +24,8 @@ from datasets.exceptions import DatasetGenerationError
 from tqdm import tqdm
 
 from common.atomic import TMP_PREFIX, write_dir
-from common.conversations import Conversation, Message, Rejection, iter_records, resolve_inputs, to_conversation
+from common.conversations import (Conversation, Message, Rejection, ToolCall, iter_records, resolve_inputs,
+                                  to_conversation)
 from common.errors import PipelineError
 from common.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
 from common.prepared import COLUMNS, PrepareReport
@@ -33,13 +35,18 @@ __all__ = ["PrepareOptions", "DropLog", "load_tokenizer", "prepare", "summary_li
 
 NO_SUPERVISED_AFTER_TRUNCATION = "no_supervised_after_truncation"
 BATCH_SIZE = 256
-CONVERSATION_FEATURES = Features({"sample_id": Value("string"), "messages": List(
-    {"role": Value("string"), "content": Value("string"), "reasoning_content": Value("string")})})
+TOOL_CALL_FEATURES = {"id": Value("string"), "name": Value("string"), "arguments": Value("string"),
+                      "arguments_is_object": Value("bool")}
+CONVERSATION_FEATURES = Features({"sample_id": Value("string"), "tools": Value("string"), "messages": List({
+    "role": Value("string"), "content": Value("string"), "reasoning_content": Value("string"),
+    "name": Value("string"), "tool_call_id": Value("string"), "tool_calls": List(TOOL_CALL_FEATURES)})})
+# Per-sample counts of what the supervised turns hold, summed into the report.
+TURN_COUNTS = ("supervised_turns", "reasoning_turns", "stripped_turns", "tool_calls", "tool_calls_not_rendered")
 # The prepared columns, then per-sample bookkeeping that `_account` reads and drops.
 ENCODED_FEATURES = Features({
     "sample_id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
     "num_tokens": Value("int32"), "num_supervised": Value("int32"), "truncated": Value("bool"),
-    "drop_reason": Value("string"), "drop_detail": Value("string"),
+    "drop_reason": Value("string"), "drop_detail": Value("string"), **{name: Value("int32") for name in TURN_COUNTS},
 })
 
 
@@ -98,7 +105,7 @@ def prepare(options: PrepareOptions) -> PrepareReport:
     report = PrepareReport(target=info.path, tokenizer=type(tokenizer).__name__, vocab_size=info.vocab_size,
                            chat_template_sha256=template_sha256(tokenizer), max_len=options.max_len,
                            inputs=[str(p) for p in options.inputs], max_samples=options.max_samples,
-                           seed=options.seed)
+                           seed=options.seed, rendering=masker.describe())
     drops = DropLog()
     options.output.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{options.output.name}.scratch.", dir=options.output.parent))
@@ -123,14 +130,28 @@ def _generate(sources, report: PrepareReport, drops: DropLog):
         item = to_conversation(sample_id, record)
         if isinstance(item, Rejection):
             drops.add(item.reason, sample_id, item.detail)
-        else:
-            yield _row(item)
+            continue
+        report.media_parts_dropped += item.media_parts
+        for reason in item.skipped_tool_calls:
+            report.tool_calls_skipped[reason] = report.tool_calls_skipped.get(reason, 0) + 1
+            report.tool_call_examples.setdefault(reason, sample_id)
+        yield _row(item)
 
 
 def _row(conversation: Conversation) -> dict:
     return {"sample_id": conversation.sample_id,
-            "messages": [{"role": m.role, "content": m.content, "reasoning_content": m.reasoning}
+            "tools": json.dumps(conversation.tools, ensure_ascii=False) if conversation.tools else None,
+            "messages": [{"role": m.role, "content": m.content, "reasoning_content": m.reasoning, "name": m.name,
+                          "tool_call_id": m.tool_call_id,
+                          "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments,
+                                          "arguments_is_object": c.arguments_is_object} for c in m.tool_calls]}
                          for m in conversation.messages]}
+
+
+def _messages(rows: list[dict]) -> list[Message]:
+    """The inverse of `_row` for the messages."""
+    return [Message(m["role"], m["content"], m["reasoning_content"], name=m["name"], tool_call_id=m["tool_call_id"],
+                    tool_calls=tuple(ToolCall(**c) for c in m["tool_calls"] or ())) for m in rows]
 
 
 def _read(sources, scratch: Path, report: PrepareReport, drops: DropLog) -> Dataset:
@@ -165,11 +186,14 @@ def _subset(conversations: Dataset, options: PrepareOptions, report: PrepareRepo
 
 def _encode_batch(batch: dict, masker: ChatMasker, max_len: int) -> dict:
     out = {name: [] for name in ENCODED_FEATURES}
-    for sample_id, messages in zip(batch["sample_id"], batch["messages"]):
-        ids, mask, truncated, reason, detail = [], [], False, "", ""
+    for sample_id, messages, tools in zip(batch["sample_id"], batch["messages"], batch["tools"]):
+        ids, mask, truncated, reason, detail, counts = [], [], False, "", "", dict.fromkeys(TURN_COUNTS, 0)
         try:
-            encoded = masker.encode([Message(m["role"], m["content"], m["reasoning_content"]) for m in messages])
-            ids, mask = encoded.input_ids, encoded.loss_mask
+            encoded = masker.encode(_messages(messages), json.loads(tools) if tools else None)
+            ids, mask, r = encoded.input_ids, encoded.loss_mask, encoded.rendering
+            counts = {"supervised_turns": len(r.spans), "reasoning_turns": r.reasoning_turns,
+                      "stripped_turns": r.stripped_turns, "tool_calls": r.tool_calls,
+                      "tool_calls_not_rendered": r.tool_calls_not_rendered}
             if not any(mask):
                 raise MaskError(NO_SUPERVISED_TOKENS, "the template renders no assistant turn")
             if len(ids) > max_len:
@@ -180,7 +204,8 @@ def _encode_batch(batch: dict, masker: ChatMasker, max_len: int) -> dict:
         except MaskError as e:
             ids, mask, reason, detail = [], [], e.reason, e.detail
         row = {"sample_id": sample_id, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
-               "num_supervised": sum(mask), "truncated": truncated, "drop_reason": reason, "drop_detail": detail}
+               "num_supervised": sum(mask), "truncated": truncated, "drop_reason": reason, "drop_detail": detail,
+               **counts}
         for name, value in row.items():
             out[name].append(value)
     return out
@@ -198,7 +223,8 @@ def _encode(conversations: Dataset, masker: ChatMasker, options: PrepareOptions,
 
 def _account(encoded: Dataset, report: PrepareReport, drops: DropLog) -> Dataset:
     """Fill the report's counts and token statistics; return the kept samples."""
-    stats = encoded.select_columns(["num_tokens", "num_supervised", "truncated", "drop_reason"]).with_format("numpy")[:]
+    stats = encoded.select_columns(["num_tokens", "num_supervised", "truncated", "drop_reason", *TURN_COUNTS]
+                                   ).with_format("numpy")[:]
     reasons = stats["drop_reason"].astype(str)
     dropped = np.flatnonzero(reasons != "")
     if len(dropped):
@@ -211,6 +237,9 @@ def _account(encoded: Dataset, report: PrepareReport, drops: DropLog) -> Dataset
     report.dropped = dict(sorted(drops.counts.items()))
     report.drop_examples = {r: drops.examples[r] for r in report.dropped}
     report.truncated = int(stats["truncated"][keep].sum())
+    for name in TURN_COUNTS:
+        setattr(report, name, int(stats[name][keep].sum()))
+    report.tool_calls_skipped = dict(sorted(report.tool_calls_skipped.items()))
     if len(keep):
         report.total_tokens, report.supervised_tokens = int(tokens.sum()), int(supervised.sum())
         report.min_tokens, report.max_tokens = int(tokens.min()), int(tokens.max())
@@ -234,8 +263,17 @@ def _nothing_usable(report: PrepareReport, drops: DropLog) -> str:
 
 def warning_lines(report: PrepareReport) -> list[str]:
     """One line per drop reason (not per sample)."""
-    return [f"warning: skipped {count:,} sample(s): {reason}, e.g. {report.drop_examples[reason]}"
-            for reason, count in report.dropped.items()]
+    lines = [f"warning: skipped {count:,} sample(s): {reason}, e.g. {report.drop_examples[reason]}"
+             for reason, count in report.dropped.items()]
+    lines += [f"warning: skipped {count:,} malformed tool call(s): {reason}, e.g. in {report.tool_call_examples[reason]} "
+              "(the rest of the conversation is kept)" for reason, count in report.tool_calls_skipped.items()]
+    if report.stripped_turns:
+        lines.append(f"warning: {report.stripped_turns:,} assistant turn(s) not supervised: the chat template drops "
+                     "their reasoning (an emptied think block is not what the model generated)")
+    if report.tool_calls_not_rendered:
+        lines.append(f"warning: {report.tool_calls_not_rendered:,} tool call(s) of supervised turns are not in the "
+                     "text: the chat template does not render tool calls")
+    return lines
 
 
 def summary_lines(report: PrepareReport, output: Path) -> list[str]:
@@ -247,5 +285,8 @@ def summary_lines(report: PrepareReport, output: Path) -> list[str]:
               f"tokens: {report.total_tokens:,} (min {report.min_tokens:,}, mean {report.mean_tokens:,.1f}, "
               f"max {report.max_tokens:,}), supervised {report.supervised_tokens:,} "
               f"({report.supervised_share:.1%})",
+              f"assistant turns supervised: {report.supervised_turns:,} ({report.reasoning_turns:,} with reasoning, "
+              f"{report.tool_calls:,} tool calls); not supervised, reasoning dropped by the template: "
+              f"{report.stripped_turns:,}; media parts dropped: {report.media_parts_dropped:,}",
               f"wrote {output}"]
     return lines

@@ -42,6 +42,16 @@ class PrepareReport:
     seed: int = 0  # --seed of that subset
     not_selected: int = 0  # valid conversations left out by --max-samples
     drop_examples: dict[str, str] = field(default_factory=dict)  # reason -> first sample and detail
+    # How conversations were rendered and what the kept samples supervise (see common/loss_mask.py).
+    rendering: dict = field(default_factory=dict)  # template switches, generation prompts, policies
+    supervised_turns: int = 0  # assistant turns with a loss
+    reasoning_turns: int = 0  # ... of which keep their reasoning
+    stripped_turns: int = 0  # turns with reasoning the template dropped: not supervised
+    tool_calls: int = 0  # tool calls in supervised turns
+    tool_calls_not_rendered: int = 0  # ... that the template leaves out of the text
+    tool_calls_skipped: dict[str, int] = field(default_factory=dict)  # malformed calls skipped, by reason
+    tool_call_examples: dict[str, str] = field(default_factory=dict)  # reason -> first sample
+    media_parts_dropped: int = 0  # image/audio/video content parts left out of the text (all read)
     format_version: int = FORMAT_VERSION
 
     def save(self, folder: str | Path) -> None:

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.conversations import Conversation, Message, Rejection, iter_records, resolve_inputs, to_conversation
+from common.conversations import (Conversation, Message, Rejection, ToolCall, iter_records, resolve_inputs,
+                                  to_conversation)
+from common.cli import default_input
 from common.errors import PipelineError
-from common.fixtures import FLAT_CHAT_TEMPLATE, KIMI_DEFAULT_SYSTEM
+from common.fixtures import FLAT_CHAT_TEMPLATE, REPO_ROOT
 from common.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
 from common.prepare import PrepareOptions, prepare, summary_lines, warning_lines
 from common.prepared import COLUMNS, PrepareReport, load_prepared
@@ -19,45 +21,51 @@ from tests.conftest import run_script
 
 # --- loss masks ------------------------------------------------------------------------------
 
-KIMI_SYSTEM = f"<|im_system|>system<|im_middle|>{KIMI_DEFAULT_SYSTEM}<|im_end|>"
 U, A = Message("user", "Hi there"), Message("assistant", "Hello!")
 SYS = Message("system", "Be brief.")
 A_THINK = Message("assistant", "Hello!", "Greet back.")
 U2, A2 = Message("user", "What is 6 × 7? 你好"), Message("assistant", "42.\n\nDone", "Multiply.")
+KU, KA = "<|im_user|>user<|im_middle|>", "<|im_assistant|>assistant<|im_middle|>"  # Kimi's role headers
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CALL = ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}')
+TOOL_TURNS = (Message("user", "Weather in Paris?"), Message("assistant", "", "Need the weather.", tool_calls=(CALL,)),
+              Message("tool", '{"temp": 14}', tool_call_id=CALL.id), Message("assistant", "14 °C in Paris.", "Report it."))
+IMAGE_RECORD = {"messages": [
+    {"role": "user", "content": [{"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": "x"}},
+                                 {"type": "text", "text": "this picture?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
 
 # Each case: the conversation, then per target the rendering cut into (text, supervised) pieces,
-# written out by hand from the chat formats: Kimi supervises after
-# `<|im_assistant|>assistant<|im_middle|>` through `<|im_end|>`, ChatML after
+# written out by hand from the chat formats. Kimi supervises what it generates after its
+# generation prompt `<|im_assistant|>assistant<|im_middle|><think>` (a turn without reasoning is
+# instant mode: the prompt ends `<think></think>`) through `<|im_end|>`; every turn keeps its
+# reasoning (preserve_thinking=True); no default system prompt. ChatML supervises after
 # `<|im_start|>assistant\n` through `<|im_end|>` (not the newline after it).
 CASES = {
     "single turn": ((U, A), {
-        "kimi": [(KIMI_SYSTEM + "<|im_user|>user<|im_middle|>Hi there<|im_end|>"
-                  "<|im_assistant|>assistant<|im_middle|>", 0), ("<think></think>Hello!<|im_end|>", 1)],
+        "kimi": [(KU + "Hi there<|im_end|>" + KA + "<think></think>", 0), ("Hello!<|im_end|>", 1)],
         "flat": [("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", 0), ("Hello!<|im_end|>", 1),
                  ("\n", 0)],
     }),
     "system prompt and reasoning": ((SYS, U, A_THINK), {
-        "kimi": [("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi there<|im_end|>"
-                  "<|im_assistant|>assistant<|im_middle|>", 0), ("<think>Greet back.</think>Hello!<|im_end|>", 1)],
+        "kimi": [("<|im_system|>system<|im_middle|>Be brief.<|im_end|>" + KU + "Hi there<|im_end|>" + KA + "<think>", 0),
+                 ("Greet back.</think>Hello!<|im_end|>", 1)],
         "flat": [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
                   "<|im_start|>assistant\n", 0), ("<think>\nGreet back.\n</think>\n\nHello!<|im_end|>", 1), ("\n", 0)],
     }),
-    # Kimi drops the reasoning of a turn that a user message follows; ChatML keeps it.
+    # Kimi's template would empty the first turn's think block; preserve_thinking keeps it.
     "multi-turn with reasoning": ((U, A_THINK, U2, A2), {
-        "kimi": [(KIMI_SYSTEM + "<|im_user|>user<|im_middle|>Hi there<|im_end|><|im_assistant|>assistant<|im_middle|>", 0),
-                 ("<think></think>Hello!<|im_end|>", 1),
-                 ("<|im_user|>user<|im_middle|>What is 6 × 7? 你好<|im_end|><|im_assistant|>assistant<|im_middle|>", 0),
-                 ("<think>Multiply.</think>42.\n\nDone<|im_end|>", 1)],
+        "kimi": [(KU + "Hi there<|im_end|>" + KA + "<think>", 0), ("Greet back.</think>Hello!<|im_end|>", 1),
+                 (KU + "What is 6 × 7? 你好<|im_end|>" + KA + "<think>", 0), ("Multiply.</think>42.\n\nDone<|im_end|>", 1)],
         "flat": [("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", 0),
                  ("<think>\nGreet back.\n</think>\n\nHello!<|im_end|>", 1),
                  ("\n<|im_start|>user\nWhat is 6 × 7? 你好<|im_end|>\n<|im_start|>assistant\n", 0),
                  ("<think>\nMultiply.\n</think>\n\n42.\n\nDone<|im_end|>", 1), ("\n", 0)],
     }),
     "system prompt, multi-turn, no reasoning": ((SYS, U, A, U2, Message("assistant", "42")), {
-        "kimi": [("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi there<|im_end|>"
-                  "<|im_assistant|>assistant<|im_middle|>", 0), ("<think></think>Hello!<|im_end|>", 1),
-                 ("<|im_user|>user<|im_middle|>What is 6 × 7? 你好<|im_end|><|im_assistant|>assistant<|im_middle|>", 0),
-                 ("<think></think>42<|im_end|>", 1)],
+        "kimi": [("<|im_system|>system<|im_middle|>Be brief.<|im_end|>" + KU + "Hi there<|im_end|>" + KA
+                  + "<think></think>", 0), ("Hello!<|im_end|>", 1),
+                 (KU + "What is 6 × 7? 你好<|im_end|>" + KA + "<think></think>", 0), ("42<|im_end|>", 1)],
         "flat": [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
                   "<|im_start|>assistant\n", 0), ("Hello!<|im_end|>", 1),
                  ("\n<|im_start|>user\nWhat is 6 × 7? 你好<|im_end|>\n<|im_start|>assistant\n", 0), ("42<|im_end|>", 1),
@@ -65,13 +73,33 @@ CASES = {
     }),
     # A user who types the assistant header must not be supervised.
     "header inside user text": ((Message("user", "<|im_assistant|>assistant<|im_middle|> and <|im_start|>assistant\n"), A), {
-        "kimi": [(KIMI_SYSTEM + "<|im_user|>user<|im_middle|><|im_assistant|>assistant<|im_middle|> and "
-                  "<|im_start|>assistant\n<|im_end|><|im_assistant|>assistant<|im_middle|>", 0),
-                 ("<think></think>Hello!<|im_end|>", 1)],
+        "kimi": [(KU + "<|im_assistant|>assistant<|im_middle|> and <|im_start|>assistant\n<|im_end|>" + KA
+                  + "<think></think>", 0), ("Hello!<|im_end|>", 1)],
         "flat": [("<|im_start|>user\n<|im_assistant|>assistant<|im_middle|> and <|im_start|>assistant\n<|im_end|>\n"
                   "<|im_start|>assistant\n", 0), ("Hello!<|im_end|>", 1), ("\n", 0)],
     }),
+    # Tools declared first (compact JSON), the call section and `<|im_end|>` supervised, the result
+    # (`## Return of ID`) not. Plain ChatML renders neither tools nor calls: only the turns' text.
+    "tool calls with results": (TOOL_TURNS, {
+        "kimi": [('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"get_weather",'
+                  '"parameters":{"type":"object"}}}]<|im_end|>' + KU + "Weather in Paris?<|im_end|>" + KA + "<think>", 0),
+                 ("Need the weather.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                  '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>', 1),
+                 ('<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{"temp": 14}<|im_end|>' + KA
+                  + "<think>", 0), ("Report it.</think>14 °C in Paris.<|im_end|>", 1)],
+        "flat": [("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n", 0),
+                 ("<think>\nNeed the weather.\n</think>\n\n<|im_end|>", 1),
+                 ('\n<|im_start|>tool\n{"temp": 14}<|im_end|>\n<|im_start|>assistant\n', 0),
+                 ("<think>\nReport it.\n</think>\n\n14 °C in Paris.<|im_end|>", 1), ("\n", 0)],
+    }),
+    # List content: text parts joined, the image part dropped (counted by the reader).
+    "list content": (to_conversation("img", IMAGE_RECORD).messages, {
+        "kimi": [(KU + "What is in this picture?<|im_end|>" + KA + "<think></think>", 0), ("A cat.<|im_end|>", 1)],
+        "flat": [("<|im_start|>user\nWhat is in this picture?<|im_end|>\n<|im_start|>assistant\n", 0),
+                 ("A cat.<|im_end|>", 1), ("\n", 0)],
+    }),
 }
+CASE_TOOLS = {"tool calls with results": TOOLS}
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +128,22 @@ def expected(tokenizer, pieces: list[tuple[str, int]]) -> tuple[list[int], list[
 @pytest.mark.parametrize("case", list(CASES))
 def test_mask_matches_hand_derived(maskers, tokenizers, kind, case):
     messages, pieces = CASES[case]
-    text, _ = maskers[kind].render_with_spans(messages)
+    text, _ = maskers[kind].render_with_spans(messages, CASE_TOOLS.get(case))
     assert text == "".join(t for t, _ in pieces[kind])  # the hand-written rendering is the template's
-    encoded = maskers[kind].encode(messages)
+    encoded = maskers[kind].encode(messages, CASE_TOOLS.get(case))
     ids, mask = expected(tokenizers[kind], pieces[kind])
     assert encoded.input_ids == ids
     assert encoded.loss_mask == mask
 
 
 @pytest.mark.parametrize("kind", ["kimi", "flat"])
-def test_ids_are_the_tokenization_of_the_whole_rendering(maskers, tokenizers, kind, demo_conversations):
+@pytest.mark.parametrize("demo", ["demo_conversations.jsonl", "demo_agentic.jsonl"])
+def test_ids_are_the_tokenization_of_the_whole_rendering(maskers, tokenizers, kind, demo, demo_conversations):
     tok, masker = tokenizers[kind], maskers[kind]
-    for line in demo_conversations.read_text(encoding="utf-8").splitlines()[:60]:
+    for line in (demo_conversations.parent / demo).read_text(encoding="utf-8").splitlines()[:40]:
         conversation = to_conversation("demo", json.loads(line))
-        text, spans = masker.render_with_spans(conversation.messages)
-        encoded = masker.encode(conversation.messages)
+        encoded = masker.encode(conversation.messages, conversation.tools)
+        text, spans = encoded.rendering.text, encoded.rendering.spans
         assert encoded.input_ids == tok.encode(text, add_special_tokens=False)
         # The supervised tokens decode to exactly the supervised character spans.
         runs, run = [], []
@@ -126,11 +155,52 @@ def test_ids_are_the_tokenization_of_the_whole_rendering(maskers, tokenizers, ki
                 run = []
         assert runs == [text[a:b] for a, b in spans]
         assert len(spans) == sum(m.role == "assistant" for m in conversation.messages)
+        assert encoded.rendering.stripped_turns == 0
+        # Every turn's reasoning is supervised on both targets.
+        assert encoded.rendering.reasoning_turns == sum(m.reasoning is not None for m in conversation.messages)
 
 
 def test_assistant_header_read_off_the_template(maskers):
     assert maskers["kimi"].header == "<|im_assistant|>assistant<|im_middle|>"
+    assert maskers["kimi"].prompts == ("<|im_assistant|>assistant<|im_middle|><think></think>",
+                                       "<|im_assistant|>assistant<|im_middle|><think>")
+    assert maskers["kimi"].switches == {"preserve_thinking": True} and maskers["kimi"].renders_tool_calls
     assert maskers["flat"].header == "<|im_start|>assistant\n"
+    assert maskers["flat"].prompts == ("<|im_start|>assistant\n",)
+    assert maskers["flat"].switches == {} and not maskers["flat"].renders_tool_calls
+    assert maskers["kimi"].end_of_turn == maskers["flat"].end_of_turn == "<|im_end|>"
+
+
+def test_reasoning_the_template_drops_is_not_supervised(flat_target):
+    """A template that keeps only the last turn's reasoning (as Qwen3's does for earlier turns) and
+    has no switch to keep it: the emptied turn is left out and counted, the last one supervised."""
+    tok = _variant(flat_target, FLAT_CHAT_TEMPLATE.replace("m.get('reasoning_content') %}",
+                                                           "m.get('reasoning_content') and loop.last %}"))
+    encoded = ChatMasker(tok).encode((U, A_THINK, U2, A2))
+    ids, mask = expected(tok, [("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+                                "<|im_start|>user\nWhat is 6 × 7? 你好<|im_end|>\n<|im_start|>assistant\n", 0),
+                               ("<think>\nMultiply.\n</think>\n\n42.\n\nDone<|im_end|>", 1), ("\n", 0)])
+    assert (encoded.input_ids, encoded.loss_mask) == (ids, mask)
+    assert (encoded.rendering.stripped_turns, encoded.rendering.reasoning_turns) == (1, 1)
+
+
+def test_kimi_template_without_the_switch_empties_history(kimi_target):
+    """Kimi's rule itself: without preserve_thinking every turn up to the last assistant turn
+    without tool calls has an empty think block, so none of these turns is supervised; the tool-call
+    turn after it keeps its reasoning."""
+    tok = AutoTokenizer.from_pretrained(kimi_target, trust_remote_code=True)
+    tok.chat_template = tok.get_chat_template().replace("preserve_thinking", "keep_old_thinking")
+    masker = ChatMasker(tok)
+    assert masker.switches == {}
+    follow_up = (*TOOL_TURNS, Message("user", "And Rome?"),
+                 Message("assistant", "", "Same tool.", tool_calls=(ToolCall("functions.get_weather:1", "get_weather",
+                                                                             '{"city": "Rome"}'),)))
+    rendering = masker.render(follow_up, TOOLS)
+    assert (rendering.stripped_turns, rendering.reasoning_turns, len(rendering.spans)) == (2, 1, 1)
+    assert rendering.text.count("<think></think>") == 2
+    assert rendering.text[slice(*rendering.spans[0])] == (
+        "Same tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1"
+        '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
 
 
 def _variant(flat_target: Path, template: str | None):
@@ -247,15 +317,75 @@ def test_sharegpt_form(tmp_path):
     assert _triples(conversation) == (("system", "S", None), ("user", "Q1", None), ("assistant", "A1", None))
 
 
+def test_openai_tool_calls_results_and_list_content():
+    record = {"id": "t", "tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": "u"}}]},
+        {"role": "assistant", "content": None, "reasoning": "Call f.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": '{"x":2}'}},
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}},  # no id
+            {"id": "c4", "type": "function", "function": {"name": "f", "arguments": "x=4"}},  # not JSON
+            {"id": "c5", "type": "function", "function": {"arguments": "{}"}}]},  # no function name
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": ""},
+        {"role": "assistant", "content": "Done."}]}
+    conversation = to_conversation("f:1", record)
+    assert conversation.tools == record["tools"] and conversation.media_parts == 1
+    assert conversation.skipped_tool_calls == ("no_id", "arguments_not_json", "no_function_name")
+    user, call_turn, first, second, answer = conversation.messages
+    assert user == Message("user", "Look: ")
+    assert call_turn == Message("assistant", "", "Call f.", tool_calls=(
+        ToolCall("c1", "f", '{"x": 1}', True), ToolCall("c2", "f", '{"x":2}', False)))
+    assert call_turn.to_template()["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # objects stay objects
+    assert call_turn.to_template()["tool_calls"][1]["function"]["arguments"] == '{"x":2}'  # strings verbatim
+    assert (first, second) == (Message("tool", "one", tool_call_id="c1"), Message("tool", "", tool_call_id="c2"))
+    assert answer == Message("assistant", "Done.")
+    # A turn whose only calls are malformed is skipped (counted), not the conversation.
+    only_bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}, {"role": "assistant", "content": "a"}]}
+    assert [m.role for m in to_conversation("f:2", only_bad).messages] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("call_turn, result_turn", [("function_call", "observation"), ("tool_call", "tool"),
+                                                    ("function_call", "function_response")])
+def test_sharegpt_function_call_and_observation_turns(call_turn, result_turn):
+    record = {"system": "Use tools.", "tools": '[{"name": "weather", "parameters": {}}]', "conversations": [
+        {"from": "human", "value": "Weather in Oslo and Rome?"},
+        {"from": "gpt", "value": "Checking."},
+        {"from": call_turn, "value": '[{"name": "weather", "arguments": {"city": "Oslo"}}, '
+                                     '{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]'},
+        {"from": result_turn, "value": "-2 C"},
+        {"from": result_turn, "value": "18 C"},
+        {"from": call_turn, "value": "not json"},
+        {"from": "gpt", "value": "Oslo -2 C, Rome 18 C."}]}
+    conversation = to_conversation("s:1", record)
+    assert conversation.tools == [{"name": "weather", "parameters": {}}]
+    assert conversation.skipped_tool_calls == ("arguments_not_json",)
+    assert conversation.messages == (
+        Message("system", "Use tools."), Message("user", "Weather in Oslo and Rome?"),
+        Message("assistant", "Checking.", tool_calls=(ToolCall("functions.weather:0", "weather", '{"city": "Oslo"}', True),
+                                                      ToolCall("functions.weather:1", "weather", '{"city": "Rome"}'))),
+        Message("tool", "-2 C", tool_call_id="functions.weather:0"),
+        Message("tool", "18 C", tool_call_id="functions.weather:1"),
+        Message("assistant", "Oslo -2 C, Rome 18 C."))
+
+
 @pytest.mark.parametrize("record, reason", [
     ("not a dict", "malformed_record"),
     ({"text": "no messages"}, "malformed_record"),
     ({"messages": ["not a dict"]}, "malformed_record"),
-    ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown_role"),
+    ({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown_role"),
     ({"conversations": [{"from": "bot", "value": "x"}]}, "unknown_role"),
     ({"messages": [{"role": "user", "content": "x"}]}, "no_assistant_turn"),
     ({"messages": [{"role": "user", "content": " \n"}, {"role": "assistant", "content": "y"}]}, "empty_content"),
-    ({"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]}, "non_string_content"),
+    ({"messages": [{"role": "user", "content": [{"type": "table"}]}, {"role": "assistant", "content": "y"}]},
+     "non_string_content"),
+    ({"messages": [{"role": "user", "content": {"text": "x"}}, {"role": "assistant", "content": "y"}]},
+     "non_string_content"),
+    ({"tools": "{oops", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "malformed_tools"),
+    ({"tools": [1], "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "malformed_tools"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": 3}]},
      "non_string_content"),
 ])
@@ -292,7 +422,7 @@ BAD_LINES = [
     json.dumps(_conv("Hi", "Hello!")),
     "{not json",
     json.dumps([1, 2]),
-    json.dumps({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+    json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
     json.dumps({"messages": [{"role": "user", "content": "x"}]}),
     json.dumps(_conv("", "y")),
     json.dumps({"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "y"}]}),
@@ -318,10 +448,44 @@ def test_bad_input_is_skipped_and_counted(bad_run):
     assert report.dropped == {"empty_content": 1, "malformed_record": 2, "no_assistant_turn": 1,
                               "no_supervised_after_truncation": 1, "non_string_content": 1, "unknown_role": 1}
     assert (report.samples_read, report.samples_kept, report.truncated) == (len(BAD_LINES), 2, 1)
-    assert report.drop_examples["unknown_role"].endswith("bad.jsonl:4: role 'tool'")
+    assert report.drop_examples["unknown_role"].endswith("bad.jsonl:4: role 'robot'")
     lines = warning_lines(report)
     assert len(lines) == len(report.dropped) and all(line.startswith("warning: ") for line in lines)
     assert any("skipped 2 sample(s): malformed_record" in line for line in lines)
+
+
+AGENTIC_LINES = [
+    json.dumps({"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Need it.", "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},  # no id
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "14 C"},
+        {"role": "assistant", "content": "14 °C.", "reasoning_content": "Report."}]}),
+    json.dumps(IMAGE_RECORD),
+    json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "oops"},
+                                  {"from": "gpt", "value": "a"}]}),
+]
+
+
+@pytest.mark.parametrize("kind", ["kimi", "flat"])
+def test_report_counts_reasoning_tool_calls_media_and_skips(kind, request, tmp_path):
+    path = tmp_path / "agentic.jsonl"
+    path.write_text("\n".join(AGENTIC_LINES) + "\n", encoding="utf-8")
+    report = _prepare(request.getfixturevalue(f"{kind}_target"), [path], tmp_path / "prepared")
+    assert (report.samples_read, report.samples_kept, report.dropped) == (3, 3, {})  # nothing else is lost
+    assert (report.supervised_turns, report.reasoning_turns, report.stripped_turns, report.tool_calls) == (4, 2, 0, 1)
+    assert report.tool_calls_skipped == {"arguments_not_json": 1, "no_id": 1} and report.media_parts_dropped == 1
+    assert report.tool_call_examples["no_id"] == f"{path}:1"
+    # ChatML has no place for tool calls: said, not hidden.
+    assert report.tool_calls_not_rendered == (kind == "flat")
+    assert report.rendering["template_switches"] == ({"preserve_thinking": True} if kind == "kimi" else {})
+    assert report.rendering["renders_tool_calls"] == (kind == "kimi")
+    assert PrepareReport.load(tmp_path / "prepared") == report
+    lines = warning_lines(report)
+    assert any("skipped 1 malformed tool call(s): no_id" in line for line in lines)
+    assert any("not in the text" in line for line in lines) == (kind == "flat")
 
 
 def test_truncation_keeps_the_prefix(bad_run, kimi_target, maskers):
@@ -357,6 +521,28 @@ def test_bad_flag_values(kimi_target, demo_conversations, tmp_path):
                          ("--max-samples", {"max_samples": 0})):
         with pytest.raises(PipelineError, match=flag):
             _prepare(kimi_target, [demo_conversations], tmp_path / "out", **kwargs)
+
+
+def test_default_input_is_every_shipped_demo_file():
+    names = [p.name for p in default_input()]
+    assert {"demo_conversations.jsonl", "demo_agentic.jsonl"} <= set(names) and names == sorted(names)
+    assert all(p.parent == REPO_ROOT / "data" and p.name.startswith("demo_") for p in default_input())
+
+
+def test_demo_agentic_data_is_clean_and_agentic(demo_conversations):
+    """Every call well formed and answered, contents plain strings (renderable by any template), and
+    a realistic share of tool use and reasoning."""
+    lines = (demo_conversations.parent / "demo_agentic.jsonl").read_text(encoding="utf-8").splitlines()
+    conversations = [to_conversation(str(i), json.loads(line)) for i, line in enumerate(lines)]
+    assert all(isinstance(c, Conversation) and not c.skipped_tool_calls for c in conversations)
+    assert all(isinstance(m["content"], str) for line in lines for m in json.loads(line)["messages"])
+    with_tools = [c for c in conversations if any(m.tool_calls for m in c.messages)]
+    for c in with_tools:
+        calls = [call.id for m in c.messages for call in m.tool_calls]
+        assert [m.tool_call_id for m in c.messages if m.role == "tool"] == calls
+        assert {call.name for m in c.messages for call in m.tool_calls} <= {t["function"]["name"] for t in c.tools}
+    assert 0.4 <= len(with_tools) / len(conversations) <= 0.7
+    assert all(any(m.reasoning for m in c.messages) for c in conversations)
 
 
 # --- the script --------------------------------------------------------------------------------

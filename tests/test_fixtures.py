@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, DeepseekV3ForCausalLM
 
-from common.fixtures import KIMI_DEFAULT_SYSTEM, KIMI_SPECIAL_TOKENS, main, write_kimi_target
+from common.fixtures import KIMI_NON_SPECIAL, KIMI_SPECIAL_TOKENS, main, write_kimi_target
 from common.int4_experts import PACKED_PARAMS
 from common.target import TargetError, load_target_info, load_text_model, read_tensors, weight_map
 
@@ -80,22 +80,54 @@ def test_kimi_tokenizer_is_slow_with_real_special_ids_and_chat_format(kimi_targe
     ids = tok.encode(text, add_special_tokens=False)
     assert max(ids) < 163584 and tok.decode(ids) == text
 
+    # Kimi-K2.5's facts: think and tool-call tokens are added but not special; header ids; eos.
+    assert {t.content for t in tok.added_tokens_decoder.values() if not t.special} == KIMI_NON_SPECIAL
+    assert tok.convert_tokens_to_ids(["<|start_header_id|>", "<|end_header_id|>"]) == [163590, 163591]
+    assert tok.decode(tok.encode("<think>a</think>b<|im_end|>", add_special_tokens=False),
+                      skip_special_tokens=True) == "<think>a</think>b"
+    assert json.loads((kimi_target / "config.json").read_text())["eos_token_id"] == 163586
+    # The chat template is a file next to the tokenizer, not part of tokenizer_config.json.
+    assert "chat_template" not in json.loads((kimi_target / "tokenizer_config.json").read_text())
+    assert tok.get_chat_template() == (kimi_target / "chat_template.jinja").read_text()
+
     msgs = [{"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
             {"role": "user", "content": "Bye"},
             {"role": "assistant", "content": "Goodbye.", "reasoning_content": "Say bye."}]
+    # No default system prompt; every turn up to the last assistant turn without tool calls (here:
+    # all) has an empty think block, unless preserve_thinking=True.
     rendered = tok.apply_chat_template(msgs, tokenize=False)
     assert rendered == (
-        f"<|im_system|>system<|im_middle|>{KIMI_DEFAULT_SYSTEM}<|im_end|>"
         "<|im_user|>user<|im_middle|>Hi<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>Hello!<|im_end|>"
         "<|im_user|>user<|im_middle|>Bye<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>Goodbye.<|im_end|>")
+    assert tok.apply_chat_template(msgs, tokenize=False, preserve_thinking=True) == (
+        "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>Greet back.</think>Hello!<|im_end|>"
+        "<|im_user|>user<|im_middle|>Bye<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think>Say bye.</think>Goodbye.<|im_end|>")
-    with_system = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, msgs[0]], tokenize=False,
-                                          add_generation_prompt=True)
-    assert with_system == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
-                           "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
-    assert not rendered.startswith("[BOS]") and tok.encode(rendered, add_special_tokens=False)[0] == 163594
+    # Turns after the last assistant turn without tool calls keep their reasoning; names; list content.
+    agent = [{"role": "system", "content": "Be brief.", "name": "policy"},
+             {"role": "user", "content": [{"type": "text", "text": "See "}, {"type": "image_url", "image_url": {}}]},
+             {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [
+                 {"id": "functions.search:0", "type": "function",
+                  "function": {"name": "search", "arguments": {"q": "cat"}}}]},
+             {"role": "tool", "tool_call_id": "functions.search:0", "content": "a cat"}]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    assert tok.apply_chat_template(agent, tools=tools, tokenize=False, add_generation_prompt=True) == (
+        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"search",'
+        '"parameters":{"type":"object"}}}]<|im_end|>'
+        "<|im_system|>policy<|im_middle|>Be brief.<|im_end|>"
+        "<|im_user|>user<|im_middle|>See <|media_begin|>image<|media_content|><|media_pad|><|media_end|><|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>Look it up.</think><|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{"q": "cat"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.search:0\na cat<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>")
+    assert tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True, thinking=False) == (
+        "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>")
+    assert not rendered.startswith("[BOS]") and tok.encode(rendered, add_special_tokens=False)[0] == 163587
 
 
 def test_flat_target_is_an_ordinary_causal_lm(flat_target):

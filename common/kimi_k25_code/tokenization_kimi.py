@@ -4,7 +4,8 @@ Like moonshotai/Kimi-K2.5's `TikTokenTokenizer`, it is a *slow* `PreTrainedToken
 offset mapping) loaded with `trust_remote_code`, built on a tiktoken BPE file
 (`tiktoken.model`: one `base64(token_bytes) rank` per line) and Kimi's pre-tokenizer regex.
 Special tokens sit at Kimi's real ids (163584 and up), declared in `tokenizer_config.json`'s
-`added_tokens_decoder`. The miniature's BPE is small, so its regular ids stay far below 163584.
+`added_tokens_decoder`; the chat template is the file `chat_template.jinja` next to it, which
+transformers loads for any tokenizer class. The miniature's BPE is small, so its regular ids stay far below 163584.
 """
 
 import base64
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import tiktoken
 from transformers import PreTrainedTokenizer
-from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
 PAT_STR = "|".join(
     [
@@ -26,6 +26,22 @@ PAT_STR = "|".join(
         r"""\s+""",
     ]
 )
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table, kept here because transformers 5
+    moved it out of `transformers.models.gpt2.tokenization_gpt2` (the vLLM side runs 5.x).
+    Printable Latin-1 bytes map to themselves; the rest to code points from 256 up, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def load_ranks(path: str) -> dict[bytes, int]:
@@ -87,6 +103,14 @@ class TikTokenTokenizer(PreTrainedTokenizer):
             else:
                 data.extend(self.byte_decoder[c] for c in token)
         return data.decode("utf-8", errors="replace")
+
+    def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None,
+                spaces_between_special_tokens: bool = False, **kwargs) -> str:
+        # Byte-exact like tiktoken: no space around added tokens (`<think>` is not "special", so
+        # the base class would otherwise pad it with spaces).
+        return super()._decode(token_ids, skip_special_tokens=skip_special_tokens,
+                               clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+                               spaces_between_special_tokens=False, **kwargs)
 
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
         out = Path(save_directory) / f"{filename_prefix + '-' if filename_prefix else ''}tiktoken.model"
