@@ -31,6 +31,7 @@ from common.hidden_states import (
     verify_samples,
 )
 from common.prepared import PrepareReport
+from common.state_storage import FP32_CHECK
 from common.target import load_target_info, load_text_model
 from conftest import run_script
 
@@ -158,12 +159,12 @@ def test_plan_batches_respects_budget_and_shards_split_it():
 def test_batched_equals_sample_by_sample(models, name):
     _path, model = models[name]
     ids = random_ids([37, 5, 21, 1, 30])
-    extractor = StateExtractor(model, [2, 4, 5], store_dtype=torch.float32)
+    extractor = StateExtractor(model, [2, 4, 5], storage=FP32_CHECK)
     batched = extractor(ids)
-    for sample, states in zip(ids, batched, strict=True):
+    for sample, stored in zip(ids, batched, strict=True):
         (alone,) = extractor([sample])
-        assert [s.shape for s in states] == [(len(sample), 64)] * 4
-        for a, b in zip(states, alone, strict=True):
+        assert [s.shape for s in stored.states] == [(len(sample), 64)] * 4 and stored.scales is None
+        for a, b in zip(stored.states, alone.states, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -173,8 +174,8 @@ def test_captured_states_are_the_targets_own(models, name):
     and aux state i is hidden_states[i] of a plain forward."""
     _path, model = models[name]
     ids = random_ids([40, 17, 3])
-    states = StateExtractor(model, [2, 4, 5], store_dtype=torch.float32)(ids)
-    check = verify_samples(model, list(zip(ids, states)), [2, 4, 5])
+    stored = StateExtractor(model, [2, 4, 5], storage=FP32_CHECK)(ids)
+    check = verify_samples(model, [(i, s.states) for i, s in zip(ids, stored)], [2, 4, 5])
     assert check.argmax_agreement == 1.0
     assert check.max_logit_diff < 1e-3 and check.max_aux_error < 1e-5
 
