@@ -12,8 +12,8 @@ Layout (speculators' v1 sample format, see DESIGN.md):
 Each `data_{i}.pt` is `{"input_ids": int64[S], "hidden_states": [bf16[S, H]] * 4,
 "loss_mask": int64[S]}`: three auxiliary layers (ids in the vLLM convention), then the
 post-norm final state. With `--storage fp8` the states are float8 e4m3 and the file also holds
-`"hidden_state_scales": bf16[4, S]` (common/state_storage.py). Files are written under a temporary name and renamed, so a file under
-its final name is complete.
+`"hidden_state_scales": bf16[4, S]` (common/state_storage.py). Files are written under a
+temporary name and renamed, so a file under its final name is complete.
 
 Several shards may write into one folder at once. Each keeps its own manifest; whichever shard
 finishes last (it sees every manifest of its run marked finished) merges them into
