@@ -164,7 +164,7 @@ def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int,
         data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except Exception:  # noqa: BLE001 - any failure to read means "redo this sample"
         return False
-    if not storage.holds(data, NUM_STATES, (len(input_ids), hidden_size)):
+    if not storage.holds(data, NUM_STATES, (len(input_ids), hidden_size)) or set(data) != storage.keys:
         return False
     ids, mask = data["input_ids"], data["loss_mask"]
     return (isinstance(mask, torch.Tensor) and tuple(mask.shape) == (len(input_ids),)

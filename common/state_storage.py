@@ -70,8 +70,9 @@ class StateStorage:
         return [dequantize_rows(q, scales[k]) for k, q in enumerate(data["hidden_states"])]
 
     def holds(self, data: Any, num_states: int, shape: tuple[int, int]) -> bool:
-        """True when a loaded sample has this storage's keys, states and scales of `shape` [S, H]."""
-        if not isinstance(data, dict) or set(data) != self.keys:
+        """True when a loaded sample has this storage's keys (others may be there too), states and
+        scales of `shape` [S, H]."""
+        if not isinstance(data, dict) or not self.keys <= set(data):
             return False
         states = data["hidden_states"]
         if not (isinstance(states, list) and len(states) == num_states
