@@ -2,14 +2,15 @@
 
 For every prepared row i it writes `data_{i}.pt` in speculators' v1 format: the input ids, the
 loss mask, three auxiliary layers (default [2, N//2, N-3], vLLM's layer-id convention) and the
-post-norm final state, all bf16, plus `sample_lengths.json` and `data_config.json`
-(see common/extract_io.py). Only those four states are captured, with forward hooks on the base
+post-norm final state, in bf16 (default) or, with `--storage fp8`, in float8 e4m3 with one
+scale per token row (half the disk; common/state_storage.py), plus `sample_lengths.json` and
+`data_config.json` (see common/extract_io.py). Only those four states are captured, with forward hooks on the base
 model; samples of similar length run in batches under a padded-token budget.
 
 Usage:
     python 02_extract_hidden_states.py                        # runs/default/prepared -> runs/default/hidden_states
     python 02_extract_hidden_states.py --prepared RUN/prepared --target DIR --output RUN/hidden_states \
-        [--layer-ids 2 30 58] [--batch-tokens 8192] [--max-samples N] [--dtype bf16]
+        [--layer-ids 2 30 58] [--batch-tokens 8192] [--max-samples N] [--dtype bf16] [--storage fp8]
     python 02_extract_hidden_states.py ... --target /models/Kimi-K2.5 --trust-remote-code --device-map auto
         # one large target spread over all GPUs of the host
     torchrun --nproc-per-node 8 02_extract_hidden_states.py --prepared ... --target ... --output ...
@@ -54,6 +55,7 @@ from common.hidden_states import (
     validate_layer_ids,
 )
 from common.prepared import check_prepared_target, load_prepared
+from common.state_storage import DEFAULT_STORAGE, STORAGES
 from common.target import load_target_info, weight_map
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,11 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="prepared dataset from 01_prepare_data.py (default: RUN_DIR/prepared)")
     data.add_argument("--output", type=Path, default=None, help="output folder (default: RUN_DIR/hidden_states)")
     data.add_argument("--max-samples", type=int, default=None, help="only the first N prepared rows")
+    data.add_argument("--storage", choices=sorted(STORAGES), default=DEFAULT_STORAGE,
+                      help="hidden states on disk: bf16, or fp8 (e4m3, one bf16 scale per token row: about half "
+                           "the bytes; 04 and 05 read both) (default: %(default)s)")
     model = parser.add_argument_group("model")
     model.add_argument("--layer-ids", type=int, nargs="+", default=None, metavar="I",
                        help="three auxiliary layer ids, vLLM convention (default: 2 N//2 N-3)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="compute dtype (default: bf16 on GPU, fp32 on CPU); files are always bf16")
+                       help="compute dtype (default: bf16 on GPU, fp32 on CPU); files: see --storage")
     placement = model.add_mutually_exclusive_group()
     placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if present)")
     placement.add_argument("--device-map", choices=["auto"], default=None,
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = dict(enumerate(check_token_ids(ds, num_rows, info.vocab_size)))
 
     # 3. The output folder (refused if it holds another target's states), this shard's batches, resume.
-    config = new_data_config(info, layer_ids, dtype, prepared_dir, report)
+    storage = STORAGES[args.storage]
+    config = new_data_config(info, layer_ids, dtype, prepared_dir, report, storage)
     check_output_folder(out, config)
     check_prepared_target(report, prepared_dir, info.path, info.vocab_size)
     batches = shard_batches(plan_batches(lengths, args.batch_tokens), args.num_shards, args.shard_index)
@@ -134,18 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     manifest = manifest_path(out, args.shard_index, args.num_shards)
     out.mkdir(parents=True, exist_ok=True)
     remove_own_temporaries(out, mine, manifest)
-    done, redo = find_done(out, ds, mine, info.hidden_size)
+    done, redo = find_done(out, ds, mine, info.hidden_size, storage=storage)
     todo_tokens = sum(lengths[i] for i in mine - done)
 
     # 4. Disk: refuse to start a run that cannot finish.
-    needed = estimate_bytes(todo_tokens, len(mine - done), info.hidden_size)
+    needed = estimate_bytes(todo_tokens, len(mine - done), info.hidden_size, storage)
     if not args.skip_disk_check:
         check_disk(out, needed)
     shard = f"shard {args.shard_index} of {args.num_shards}: " if args.num_shards > 1 else ""
     print(f"{shard}{len(mine):,} samples in {len(batches):,} batches: {len(done):,} done, {redo:,} to redo, "
           f"{len(mine - done):,} to extract ({todo_tokens:,} tokens, about {needed / 1e9:,.2f} GB)")
     print(f"target {info.path} ({info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}); "
-          f"states {layer_ids} + post-norm final; compute {config.compute_dtype} on {device or 'device map auto'}")
+          f"states {layer_ids} + post-norm final; compute {config.compute_dtype} on {device or 'device map auto'}, "
+          f"stored as {storage.name}")
 
     # 5. Extract.
     write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if mine - done:
         model = load_target_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
         show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
-        stats = ExtractionRun(StateExtractor(model, layer_ids), ds, out, show_progress=show).run(batches, done, lengths)
+        extractor = StateExtractor(model, layer_ids, storage)
+        stats = ExtractionRun(extractor, ds, out, show_progress=show).run(batches, done, lengths)
 
     # 6. This shard's manifest; the last shard to finish merges them all.
     write_manifest(manifest, config, {i: lengths[i] for i in done} | stats.written, stats.failed, finished=True)
@@ -164,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{shard}extracted {len(stats.written):,} samples ({tokens:,} tokens) in {stats.seconds:,.1f}s: "
               f"{tokens / stats.seconds:,.0f} tokens/s, forward pass {stats.forward_seconds / stats.seconds:.0%} "
               "of the time")
-        print(f"hidden states {stats.state_bytes / tokens:,.0f} B/token ({NUM_STATES} x {info.hidden_size} x 2), "
+        print(f"hidden states {stats.state_bytes / tokens:,.0f} B/token ({storage.name}: "
+              f"{storage.bytes_per_token(NUM_STATES, info.hidden_size):,} = {NUM_STATES} x {info.hidden_size} x "
+              f"{storage.dtype.itemsize}{' + scales' if storage.scaled else ''}), "
               f"files {stats.file_bytes / tokens:,.0f} B/token, {stats.file_bytes / 1e6:,.1f} MB written")
     print(f"{shard}kept {len(done):,} existing, extracted {len(stats.written):,}, failed {len(stats.failed):,}"
           + "".join(f"\n  failed {f['sample_id']} (row {f['index']}): {f['error']}" for f in stats.failed[:10]))

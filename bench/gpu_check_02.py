@@ -28,6 +28,7 @@ from bench.bench_02_extract import run as run_bench  # noqa: E402
 from common.extract_io import list_sample_files  # noqa: E402
 from common.fixtures import REPO_ROOT, ensure_target  # noqa: E402
 from common.hidden_states import StateExtractor, verify_samples  # noqa: E402
+from common.state_storage import FP32_CHECK  # noqa: E402
 from common.target import load_target_info, load_text_model  # noqa: E402
 
 DEVICE = "cuda:0"
@@ -90,10 +91,10 @@ def check_target(kind: str, work: Path, samples: int, failures: list[str]) -> No
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_text_model(info, dtype=torch.float32, device=DEVICE)
     ids = [torch.load(p, weights_only=True)["input_ids"].tolist() for p in list(list_sample_files(alone).values())[:8]]
-    extractor = StateExtractor(model, layer_ids, store_dtype=torch.float32)
-    states = extractor(ids)
+    extractor = StateExtractor(model, layer_ids, storage=FP32_CHECK)
+    states = [stored.states for stored in extractor(ids)]
     worst = max(float((a - b).abs().max() / b.abs().max()) for sample, per_sample in zip(ids, states)
-                for a, b in zip(per_sample, extractor([sample])[0]))
+                for a, b in zip(per_sample, extractor([sample])[0].states))
     check("fp32 batched vs one by one", worst < 1e-4, f"max relative difference {worst:.2e}", failures)
     v = verify_samples(model, list(zip(ids, states)), layer_ids)
     check("fp32 capture vs target", v.argmax_agreement == 1.0 and v.max_logit_diff < 1e-3 and v.max_aux_error < 1e-5,

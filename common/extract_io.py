@@ -11,8 +11,9 @@ Layout (speculators' v1 sample format, see DESIGN.md):
 
 Each `data_{i}.pt` is `{"input_ids": int64[S], "hidden_states": [bf16[S, H]] * 4,
 "loss_mask": int64[S]}`: three auxiliary layers (ids in the vLLM convention), then the
-post-norm final state. Files are written under a temporary name and renamed, so a file under
-its final name is complete.
+post-norm final state. With `--storage fp8` the states are float8 e4m3 and the file also holds
+`"hidden_state_scales": bf16[4, S]` (common/state_storage.py). Files are written under a
+temporary name and renamed, so a file under its final name is complete.
 
 Several shards may write into one folder at once. Each keeps its own manifest; whichever shard
 finishes last (it sees every manifest of its run marked finished) merges them into
@@ -35,12 +36,13 @@ from tqdm import tqdm
 from common.atomic import TMP_PREFIX, atomic_path, read_json, write_json
 from common.errors import PipelineError
 from common.prepared import PrepareReport
+from common.state_storage import DEFAULT_STORAGE, SCALES_KEY, STORAGES, StateStorage
 from common.target import TargetInfo
 
 FORMAT_VERSION = 1
 DATA_FORMAT = "speculators-v1"
 LAST_STATE = "post_norm"  # the final state is the input of lm_head (HF hidden_states[N])
-STORE_DTYPE = torch.bfloat16
+STORE_DTYPE = STORAGES[DEFAULT_STORAGE].dtype  # the default storage's dtype
 NUM_STATES = 4  # three auxiliary layers, then the final state
 FILES_PER_FOLDER = 10_000
 DATA_CONFIG = "data_config.json"
@@ -49,7 +51,7 @@ SAMPLE_RE = re.compile(r"data_(\d+)\.pt")
 MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")
 # What must agree between a folder's existing files and a new run writing into it.
 IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_layers", "vocab_size",
-                   "layer_ids", "last_state", "dtype", "format_version")
+                   "layer_ids", "last_state", "storage", "dtype", "format_version")
 PACKAGES = ("torch", "transformers", "speculators", "datasets")
 
 
@@ -70,7 +72,9 @@ class DataConfig:
     tokenizer: str
     chat_template_sha256: str
     last_state: str = LAST_STATE
-    dtype: str = "bfloat16"  # storage dtype of the hidden states
+    storage: str = DEFAULT_STORAGE  # "bf16" or "fp8" (common/state_storage.py); absent in older folders: bf16
+    dtype: str = "bfloat16"  # dtype of the stored hidden states
+    scales: str | None = None  # where the fp8 scales are, per token row of each state
     package_versions: dict[str, str] = field(default_factory=dict)
     num_shards: int = 1
     sample_count: int = 0
@@ -106,13 +110,15 @@ def package_versions() -> dict[str, str]:
 
 
 def new_data_config(info: TargetInfo, layer_ids: list[int], compute_dtype: torch.dtype, prepared: Path,
-                    report: PrepareReport) -> DataConfig:
+                    report: PrepareReport, storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> DataConfig:
+    scales = "hidden_state_scales: bfloat16[4, S], one per token row of each state" if storage.scaled else None
     return DataConfig(
         target=info.path, architecture=info.architecture, text_architecture=info.text_architecture,
         hidden_size=info.hidden_size, num_layers=info.num_layers, vocab_size=info.vocab_size,
         layer_ids=list(layer_ids), compute_dtype=str(compute_dtype).removeprefix("torch."),
         max_len=report.max_len, prepared=str(Path(prepared).resolve()), tokenizer=report.tokenizer,
-        chat_template_sha256=report.chat_template_sha256, package_versions=package_versions())
+        chat_template_sha256=report.chat_template_sha256, storage=storage.name, dtype=storage.dtype_name,
+        scales=scales, package_versions=package_versions())
 
 
 # --- sample files -------------------------------------------------------------------------
@@ -129,13 +135,17 @@ def sample_index(path: str | Path) -> int | None:
 
 
 def save_sample(root: str | Path, index: int, input_ids: torch.Tensor, states: list[torch.Tensor],
-                loss_mask: torch.Tensor) -> int:
-    """Write one sample atomically; return the file's size in bytes. torch reports a full disk as
-    a RuntimeError that does not say so: the error names the file and the space left."""
+                loss_mask: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+    """Write one sample atomically (with its fp8 scales, if any); return the file's size in bytes.
+    torch reports a full disk as a RuntimeError that does not say so: the error names the file and
+    the space left."""
     path = sample_path(root, index)
+    data = {"input_ids": input_ids, "hidden_states": states, "loss_mask": loss_mask}
+    if scales is not None:
+        data[SCALES_KEY] = scales
     try:
         with atomic_path(path) as tmp:
-            torch.save({"input_ids": input_ids, "hidden_states": states, "loss_mask": loss_mask}, tmp)
+            torch.save(data, tmp)
             return tmp.stat().st_size
     except (OSError, RuntimeError) as e:
         free = shutil.disk_usage(root).free
@@ -143,8 +153,10 @@ def save_sample(root: str | Path, index: int, input_ids: torch.Tensor, states: l
                             f"{free / 1e6:,.1f} MB free on its disk") from e
 
 
-def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int) -> bool:
-    """True when `path` loads and holds `input_ids` with four [S, hidden] bf16 states.
+def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int,
+                    storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> bool:
+    """True when `path` loads and holds `input_ids` with four [S, hidden] states (and scales) of
+    `storage`.
 
     Loading with mmap reads the zip directory at the end of the file (a truncated file fails)
     and the small tensors, not the hidden states."""
@@ -152,17 +164,15 @@ def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int) -> bool:
         data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except Exception:  # noqa: BLE001 - any failure to read means "redo this sample"
         return False
-    if not isinstance(data, dict) or set(data) != {"input_ids", "hidden_states", "loss_mask"}:
+    if not storage.holds(data, NUM_STATES, (len(input_ids), hidden_size)) or set(data) != storage.keys:
         return False
-    ids, states, mask = data["input_ids"], data["hidden_states"], data["loss_mask"]
-    shape = (len(input_ids), hidden_size)
-    return (isinstance(states, list) and len(states) == NUM_STATES
-            and all(isinstance(s, torch.Tensor) and s.dtype == STORE_DTYPE and tuple(s.shape) == shape for s in states)
-            and isinstance(mask, torch.Tensor) and tuple(mask.shape) == (len(input_ids),)
+    ids, mask = data["input_ids"], data["loss_mask"]
+    return (isinstance(mask, torch.Tensor) and tuple(mask.shape) == (len(input_ids),)
             and isinstance(ids, torch.Tensor) and ids.tolist() == list(input_ids))
 
 
-def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 1000) -> tuple[set[int], int]:
+def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 1000,
+              storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> tuple[set[int], int]:
     """(indices whose file is complete and matches its prepared row, count of files deleted
     because they were not): a resumed run keeps the first and redoes the rest."""
     existing = list_sample_files(root)
@@ -173,7 +183,7 @@ def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 
         for start in range(0, len(candidates), chunk):
             part = candidates[start:start + chunk]
             for i, ids in zip(part, column[part]["input_ids"]):
-                if is_valid_sample(existing[i], ids, hidden_size):
+                if is_valid_sample(existing[i], ids, hidden_size, storage):
                     done.add(i)
                 else:
                     existing[i].unlink()
@@ -235,7 +245,7 @@ def check_output_folder(root: Path, config: DataConfig) -> None:
         for key, ours in config.identity().items():
             if theirs[key] != ours:
                 raise PipelineError(
-                    f"output folder {root} holds hidden states of another target or layer choice "
+                    f"output folder {root} holds hidden states of another target, layer or storage choice "
                     f"({key} {theirs[key]} in {source.name}, {ours} now); use another --output or delete the folder")
     if not found_any and any(root.rglob("data_*.pt")):
         raise PipelineError(f"output folder {root} holds data files but no {DATA_CONFIG}: it was not written by "

@@ -27,7 +27,8 @@ import torch
 from tqdm import tqdm
 
 from common.errors import PipelineError
-from common.extract_io import NUM_STATES, STORE_DTYPE, save_sample
+from common.extract_io import NUM_STATES, save_sample
+from common.state_storage import DEFAULT_STORAGE, STORAGES, StateStorage
 from common.target import TargetError, TargetInfo, load_text_model
 
 WRITE_THREADS = 4  # file writes overlap the next forward pass
@@ -130,21 +131,36 @@ def _sync(tensor: torch.Tensor) -> None:
         torch.cuda.synchronize(tensor.device)
 
 
+@dataclass
+class StoredStates:
+    """One sample's four states as stored ([S, H] each) and their fp8 scales ([4, S]) if any."""
+
+    states: list[torch.Tensor]
+    scales: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.states + ([self.scales] if self.scales is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class StateExtractor:
-    """Runs batches through the base model and returns each sample's four states on the CPU."""
+    """Runs batches through the base model and returns each sample's four states on the CPU,
+    encoded for storage on the model's device (fp8 moves half the bytes off a GPU)."""
 
     PAD_ID = 0  # any valid id: padded positions come after every real token and are dropped
 
-    def __init__(self, model: torch.nn.Module, layer_ids: list[int], store_dtype: torch.dtype = STORE_DTYPE) -> None:
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int],
+                 storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> None:
         self.base, self.layers = decoder_parts(model)
         self.layer_ids = layer_ids
-        self.store_dtype = store_dtype
+        self.storage = storage
         self.device = self.base.get_input_embeddings().weight.device
         self.forward_seconds = 0.0
 
     @torch.inference_mode()
-    def __call__(self, id_lists: list[list[int]]) -> list[list[torch.Tensor]]:
-        """Per sample: [aux states..., final state], each [S, H] in `store_dtype` on the CPU,
+    def __call__(self, id_lists: list[list[int]]) -> list[StoredStates]:
+        """Per sample: [aux states..., final state], each [S, H] encoded for storage on the CPU,
         each with its own storage (a view would save the whole batch into the file)."""
         longest = max(map(len, id_lists))
         ids = torch.full((len(id_lists), longest), self.PAD_ID, dtype=torch.long)
@@ -158,8 +174,12 @@ class StateExtractor:
                               use_cache=False).last_hidden_state
         _sync(final)
         self.forward_seconds += time.perf_counter() - start
-        batch = [captured[i].to("cpu", self.store_dtype) for i in self.layer_ids] + [final.to("cpu", self.store_dtype)]
-        return [[state[row, :len(sample)].clone() for state in batch] for row, sample in enumerate(id_lists)]
+        states, scales = self.storage.encode([captured[i] for i in self.layer_ids] + [final])
+        states = [s.cpu() for s in states]
+        scales = scales.cpu() if scales is not None else None
+        return [StoredStates([s[row, :n].clone() for s in states],
+                             scales[:, row, :n].clone() if scales is not None else None)
+                for row, n in enumerate(map(len, id_lists))]
 
 
 @dataclass
@@ -250,7 +270,7 @@ class ExtractionRun:
                 good.append(sample)
         return good
 
-    def _extract(self, samples: list[Sample]) -> list[tuple[Sample, list[torch.Tensor]]]:
+    def _extract(self, samples: list[Sample]) -> list[tuple[Sample, StoredStates]]:
         """The batch's states. Out of memory, the batch is split in halves down to single samples,
         and a sample out of memory alone is skipped and listed; any other error stops the run."""
         if not samples:
@@ -290,17 +310,18 @@ class ExtractionRun:
         self.stats.state_bytes += state_bytes
 
 
-def _write(out: Path, sample: Sample, states: list[torch.Tensor]) -> tuple[int, int, int, int]:
-    """Runs in a writer thread: (index, tokens, file bytes, hidden-state bytes)."""
-    size = save_sample(out, sample.index, torch.tensor(sample.input_ids, dtype=torch.long), states,
-                       torch.tensor(sample.loss_mask, dtype=torch.long))
-    return sample.index, len(sample.input_ids), size, sum(s.numel() * s.element_size() for s in states)
+def _write(out: Path, sample: Sample, stored: StoredStates) -> tuple[int, int, int, int]:
+    """Runs in a writer thread: (index, tokens, file bytes, hidden-state bytes incl. scales)."""
+    size = save_sample(out, sample.index, torch.tensor(sample.input_ids, dtype=torch.long), stored.states,
+                       torch.tensor(sample.loss_mask, dtype=torch.long), stored.scales)
+    return sample.index, len(sample.input_ids), size, stored.nbytes
 
 
-def estimate_bytes(tokens: int, samples: int, hidden_size: int) -> int:
-    """Disk for `samples` files of `tokens` tokens in all: the four bf16 states, the two int64
-    id/mask vectors, and a few kilobytes of zip and pickle overhead per file."""
-    return tokens * (NUM_STATES * hidden_size * 2 + 16) + samples * 4096
+def estimate_bytes(tokens: int, samples: int, hidden_size: int,
+                   storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> int:
+    """Disk for `samples` files of `tokens` tokens in all: the four stored states (with their
+    scales), the two int64 id/mask vectors, and a few kilobytes of zip and pickle overhead per file."""
+    return tokens * (storage.bytes_per_token(NUM_STATES, hidden_size) + 16) + samples * 4096
 
 
 @dataclass

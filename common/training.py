@@ -1,7 +1,8 @@
 """Training the draft (step 04) through speculators 0.3.0's own data path and Trainer.
 
 Data: `split_files` (train/validation by file), `Eagle3SampleFileDataset` with
-`standardize_data_v1` (step 02's files unchanged), `AddUniformNoise` on the training
+`standardize_data_v1` (step 02's files unchanged; fp8 files are dequantized first, see
+common/state_storage.py), `AddUniformNoise` on the training
 auxiliary states, `MultipackDistributedBatchSamplerV2` packing samples into sequences of
 `total_seq_len` tokens per rank, `create_collate_fn`. Two adjustments, both explained where
 made: the sampler gets the exact lengths of `sample_lengths.json` instead of the library's
@@ -34,7 +35,6 @@ from speculators.train.data import (
     create_collate_fn,
     list_files,
     split_files,
-    standardize_data_v1,
 )
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators.train.noise_transforms import AddUniformNoise
@@ -54,6 +54,7 @@ from common.draft import (
 )
 from common.errors import PipelineError
 from common.extract_io import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig, sample_index
+from common.state_storage import StateStorage, get_storage, standardize_fn
 from common.target import TargetInfo
 
 CHECKPOINTS = "checkpoints"
@@ -178,26 +179,35 @@ def load_hidden_states(folder: str | Path) -> HiddenStateData:
         raise PipelineError(f"hidden states {folder}: {unlisted[0]} is not listed in {SAMPLE_LENGTHS} "
                             f"({len(unlisted)} such files; run 02_extract_hidden_states.py again to finish the folder)")
     # A file cut short (a killed copy, a full disk) would stop the library's loader mid-epoch; its
-    # size gives it away without reading it: the four bf16 states alone take 4 x S x H x 2 bytes.
-    short = [f for f in files if f.stat().st_size < listed[sample_index(f)] * NUM_STATES * config.hidden_size * 2]
+    # size gives it away without reading it: the four states alone take 4 x S x H x 2 bytes (bf16).
+    storage = _storage(config, folder)
+    per_token = storage.bytes_per_token(NUM_STATES, config.hidden_size)
+    short = [f for f in files if f.stat().st_size < listed[sample_index(f)] * per_token]
     if short:
         raise PipelineError(f"hidden states {folder}: {short[0]} is cut short ({len(short)} such files); "
                             "run 02_extract_hidden_states.py again to redo them")
-    _check_sample(files[0], config.hidden_size)
+    _check_sample(files[0], config.hidden_size, storage)
     return HiddenStateData(folder, config, {f: listed[sample_index(f)] for f in files})
 
 
-def _check_sample(path: Path, hidden_size: int) -> None:
+def _storage(config: DataConfig, folder: Path) -> StateStorage:
+    try:
+        return get_storage(config.storage)
+    except PipelineError as e:
+        raise PipelineError(f"hidden states {folder}: {DATA_CONFIG}: {e}") from e
+
+
+def _check_sample(path: Path, hidden_size: int, storage: StateStorage) -> None:
     try:
         sample = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        states = sample["hidden_states"]
-        ok = (len(states) == NUM_STATES and all(s.shape[-1] == hidden_size for s in states)
-              and states[0].shape[0] == sample["input_ids"].shape[0] == sample["loss_mask"].shape[0])
+        size = sample["input_ids"].shape[0]
+        ok = sample["loss_mask"].shape == (size,) and storage.holds(sample, NUM_STATES, (size, hidden_size))
     except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
         raise PipelineError(f"hidden states {path}: not a readable v1 sample ({type(e).__name__}: {e})") from e
     if not ok:
-        raise PipelineError(f"hidden states {path}: expected {NUM_STATES} states of hidden size {hidden_size} "
-                            f"({DATA_CONFIG}) and one id and mask per position")
+        raise PipelineError(f"hidden states {path}: expected {NUM_STATES} {storage.dtype_name} states of hidden size "
+                            f"{hidden_size}{' with their scales' if storage.scaled else ''} ({DATA_CONFIG} says "
+                            f"storage {storage.name}) and one id and mask per position")
 
 
 def check_data_fits(data: HiddenStateData, shape: DraftShape, config_path: Path, info: TargetInfo) -> None:
@@ -231,7 +241,7 @@ def make_loader(data: HiddenStateData, files: list[Path], settings: TrainSetting
     transform = (AddUniformNoise(std=settings.noise_std, tensors=("hidden_states",))
                  if train and settings.noise_std > 0 else None)
     dataset = Eagle3SampleFileDataset(max_len=settings.total_seq_len, file_list=[str(f) for f in files],
-                                      transform=transform, standardize_fn=standardize_data_v1)
+                                      transform=transform, standardize_fn=standardize_fn(data.config.storage))
     # The library estimates lengths from file sizes relative to the first file, which is far off
     # when the per-file overhead rivals the per-token bytes (small hidden sizes); 02 recorded the
     # exact lengths. One less: the dataset drops a position when it shifts inputs and targets.

@@ -33,6 +33,7 @@ from common.hidden_states import (
 )
 from common.prepared import PrepareReport
 from common.int4_experts import PackedLinear, dequantize_packed
+from common.state_storage import FP32_CHECK, SCALES_KEY, STORAGES
 from common.target import load_target_info, load_text_model
 from conftest import run_script
 
@@ -160,12 +161,12 @@ def test_plan_batches_respects_budget_and_shards_split_it():
 def test_batched_equals_sample_by_sample(models, name):
     _path, model = models[name]
     ids = random_ids([37, 5, 21, 1, 30])
-    extractor = StateExtractor(model, [2, 4, 5], store_dtype=torch.float32)
+    extractor = StateExtractor(model, [2, 4, 5], storage=FP32_CHECK)
     batched = extractor(ids)
-    for sample, states in zip(ids, batched, strict=True):
+    for sample, stored in zip(ids, batched, strict=True):
         (alone,) = extractor([sample])
-        assert [s.shape for s in states] == [(len(sample), 64)] * 4
-        for a, b in zip(states, alone, strict=True):
+        assert [s.shape for s in stored.states] == [(len(sample), 64)] * 4 and stored.scales is None
+        for a, b in zip(stored.states, alone.states, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -175,8 +176,8 @@ def test_captured_states_are_the_targets_own(models, name):
     and aux state i is hidden_states[i] of a plain forward."""
     _path, model = models[name]
     ids = random_ids([40, 17, 3])
-    states = StateExtractor(model, [2, 4, 5], store_dtype=torch.float32)(ids)
-    check = verify_samples(model, list(zip(ids, states)), [2, 4, 5])
+    stored = StateExtractor(model, [2, 4, 5], storage=FP32_CHECK)(ids)
+    check = verify_samples(model, [(i, s.states) for i, s in zip(ids, stored)], [2, 4, 5])
     assert check.argmax_agreement == 1.0
     assert check.max_logit_diff < 1e-3 and check.max_aux_error < 1e-5
 
@@ -343,6 +344,72 @@ def test_disk_check_refuses_a_small_disk(kimi_target, tmp_path, monkeypatch):
 
 def test_bytes_estimate_is_four_bf16_states_per_token():
     assert estimate_bytes(1000, 0, 7168) == 1000 * (4 * 7168 * 2 + 16)
+    # fp8: one byte per value and a bf16 scale per token row of each state.
+    assert estimate_bytes(1000, 0, 7168, STORAGES["fp8"]) == 1000 * (4 * (7168 + 2) + 16)
+
+
+def test_disk_check_counts_fp8_as_half(kimi_target, tmp_path, monkeypatch):
+    """A disk between the fp8 and the bf16 estimate takes an fp8 run and refuses a bf16 one."""
+    prepared = write_prepared(tmp_path / "prepared", kimi_target, 5)
+    tokens = sum(len(r) for r in Dataset.load_from_disk(str(prepared))[:3]["input_ids"])
+    fp8, bf16 = (estimate_bytes(tokens, 3, 64, STORAGES[name]) for name in ("fp8", "bf16"))
+    free = (fp8 + bf16) // 2
+    monkeypatch.setattr("common.extract_io.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(free, free, free))
+    with pytest.raises(PipelineError, match="need about"):
+        load_script().main(extract_args(prepared, kimi_target, tmp_path / "bf16", "--max-samples", "3"))
+    load_script().main(extract_args(prepared, kimi_target, tmp_path / "fp8", "--max-samples", "3", "--storage", "fp8"))
+    assert sorted(list_sample_files(tmp_path / "fp8")) == [0, 1, 2]
+
+
+# --- fp8 storage -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def extracted_fp8(extracted, kimi_target, tmp_path_factory) -> Path:
+    """The Kimi-style run of `extracted` again, stored as fp8."""
+    prepared, _bf16 = extracted["kimi"]
+    out = tmp_path_factory.mktemp("extract-fp8") / "hs"
+    run_script(SCRIPT, *extract_args(prepared, kimi_target, out, "--storage", "fp8"), env=ONE_THREAD)
+    return out
+
+
+def test_fp8_files_are_the_bf16_runs_states_in_half_the_bytes(extracted, extracted_fp8):
+    prepared, bf16_out = extracted["kimi"]
+    bf16, fp8 = read_files(bf16_out), read_files(extracted_fp8)
+    assert sorted(fp8) == sorted(bf16) == list(range(NUM_SAMPLES))
+    assert [p.name for p in extracted_fp8.rglob("*pt")] and all(p.name.startswith("data_")
+                                                               for p in extracted_fp8.rglob("*pt"))
+    fp8_bytes = bf16_bytes = 0
+    for i, data in fp8.items():
+        size = len(data["input_ids"])
+        assert set(data) == {"input_ids", "hidden_states", "loss_mask", SCALES_KEY}
+        assert torch.equal(data["input_ids"], bf16[i]["input_ids"]) and torch.equal(data["loss_mask"],
+                                                                                     bf16[i]["loss_mask"])
+        states, scales = data["hidden_states"], data[SCALES_KEY]
+        assert [(s.dtype, s.shape) for s in states] == [(torch.float8_e4m3fn, (size, 64))] * 4
+        assert scales.dtype == torch.bfloat16 and scales.shape == (4, size)
+        fp8_bytes += sum(s.untyped_storage().nbytes() for s in states) + scales.untyped_storage().nbytes()
+        bf16_bytes += sum(s.untyped_storage().nbytes() for s in bf16[i]["hidden_states"])
+        for back, ref in zip(STORAGES["fp8"].decode(data), bf16[i]["hidden_states"], strict=True):
+            ref = ref.float()
+            assert float((back - ref).norm() / ref.norm()) < 0.04, i
+    assert fp8_bytes == sum(len(d["input_ids"]) for d in fp8.values()) * 4 * (64 + 2)
+    assert fp8_bytes / bf16_bytes <= 0.53
+    config = json.loads((extracted_fp8 / DATA_CONFIG).read_text())
+    assert config["storage"] == "fp8" and config["dtype"] == "float8_e4m3fn" and SCALES_KEY in config["scales"]
+    assert (extracted_fp8 / SAMPLE_LENGTHS).read_text() == (bf16_out / SAMPLE_LENGTHS).read_text()
+
+
+def test_fp8_run_resumes_on_its_own_files(extracted, kimi_target, extracted_fp8, tmp_path):
+    prepared, _ = extracted["kimi"]
+    out = tmp_path / "hs"
+    shutil.copytree(extracted_fp8, out)
+    broken = sample_path(out, 5)
+    broken.write_bytes(broken.read_bytes()[:100])
+    load_script().main(extract_args(prepared, kimi_target, out, "--storage", "fp8"))
+    assert_same_files(out, extracted_fp8)
+    assert torch.equal(torch.load(broken, weights_only=True)[SCALES_KEY],
+                       torch.load(sample_path(extracted_fp8, 5), weights_only=True)[SCALES_KEY])
 
 
 # --- bad input: exit 1 with a clear message, nothing written lost ------------------------------
@@ -367,19 +434,21 @@ def test_bad_input_is_refused(extracted, kimi_target, flat_target, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-@pytest.mark.parametrize("change", ["target", "layer_ids", "foreign_pt"])
+@pytest.mark.parametrize("change", ["target", "layer_ids", "storage", "foreign_pt"])
 def test_output_of_another_target_is_left_untouched(extracted, kimi_target, flat_target, tmp_path, change):
     prepared, reference = extracted["kimi"]
     out = tmp_path / "hs"
     shutil.copytree(reference, out)
     args = {"target": extract_args(prepared, flat_target, out),
             "layer_ids": extract_args(prepared, kimi_target, out, "--layer-ids", "1", "2", "3"),
+            "storage": extract_args(prepared, kimi_target, out, "--storage", "fp8"),
             "foreign_pt": extract_args(prepared, kimi_target, out)}[change]
     if change == "foreign_pt":
         torch.save({}, out / "t2d.pt")
     before = folder_digest(out)
     match = {"target": "architecture KimiK25ForConditionalGeneration in data_config.json, LlamaForCausalLM now",
              "layer_ids": r"layer_ids \[2, 4, 5\] in data_config.json, \[1, 2, 3\] now",
+             "storage": "storage bf16 in data_config.json, fp8 now",
              "foreign_pt": "t2d.pt, which is not a hidden-state file"}[change]
     with pytest.raises(PipelineError, match=match):
         load_script().main(args)

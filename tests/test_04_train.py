@@ -34,6 +34,7 @@ from common.draft import (
 from common.errors import PipelineError
 from common.extract_io import SAMPLE_LENGTHS, DataConfig, save_sample
 from common.fixtures import REPO_ROOT
+from common.state_storage import STORAGES
 from common.target import load_target_info
 from common.training import (
     TrainSettings,
@@ -323,7 +324,7 @@ def test_bad_preset_is_refused(tmp_path):
 
 
 def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
-                        length: int = 48, seed: int = 0) -> Path:
+                        length: int = 48, seed: int = 0, storage: str = "bf16") -> Path:
     """A hidden-state folder as step 02 writes it, with random states (for checks and plumbing)."""
     info = load_target_info(target)
     hidden = hidden or info.hidden_size
@@ -332,14 +333,15 @@ def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: in
     for i in range(num_samples):
         n = length + i % 7
         ids = torch.randint(0, min(info.vocab_size, 3000), (n,), generator=g)
-        states = [torch.randn(n, hidden, generator=g).to(torch.bfloat16) for _ in range(4)]
-        save_sample(folder, i, ids, states, torch.ones(n, dtype=torch.long))
+        states, scales = STORAGES[storage].encode([torch.randn(n, hidden, generator=g) for _ in range(4)])
+        save_sample(folder, i, ids, states, torch.ones(n, dtype=torch.long), scales)
         lengths[str(i)] = n
     (folder / SAMPLE_LENGTHS).write_text(json.dumps(lengths))
     DataConfig(target=info.path, architecture=info.architecture, text_architecture=info.text_architecture,
                hidden_size=hidden, num_layers=info.num_layers, vocab_size=info.vocab_size,
                layer_ids=info.default_layer_ids(), compute_dtype="float32", max_len=4096, prepared="test",
-               tokenizer="test", chat_template_sha256="0", sample_count=num_samples).save(folder)
+               tokenizer="test", chat_template_sha256="0", sample_count=num_samples, storage=storage,
+               dtype=STORAGES[storage].dtype_name).save(folder)
     return folder
 
 
@@ -366,6 +368,35 @@ def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
     assert config["transformer_layer_config"]["rope_theta"] == 10000.0  # the flat target's own
     assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
     assert load_draft(tmp_path / "out" / "draft").lm_head.weight.shape == (200, 64)
+
+
+def test_trains_on_fp8_data_through_the_library_loader(tmp_path, kimi_target, capsys):
+    """04 on an fp8 folder: the library's dataset hands the Trainer the dequantized states."""
+    info = load_target_info(kimi_target)
+    data_dir = write_hidden_states(tmp_path / "hs", kimi_target, num_samples=12, storage="fp8")
+    data = load_hidden_states(data_dir)
+    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {"total_seq_len": 128, "noise_std": 0.0})
+    loader = make_loader(data, data.files[:1], settings, 1, 0, train=False, pin_memory=False)
+    batch = next(iter(loader))
+    stored = torch.load(data.files[0], weights_only=True)
+    states = STORAGES["fp8"].decode(stored)
+    n = len(stored["input_ids"]) - 1
+    assert torch.equal(batch["hidden_states"][0, :n], torch.cat(states[:3], dim=-1)[:-1])
+    assert torch.equal(batch["verifier_last_hidden_states"][0, :n], states[3][1:])
+    write_vocab_folder(tmp_path / "vocab", info.vocab_size)
+    train_in_process("--target", kimi_target, "--trust-remote-code", "--draft-config", TINY_CONFIG,
+                     "--data", data_dir, "--vocab", tmp_path / "vocab", "--output", tmp_path / "out",
+                     "--epochs", "1", "--total-seq-len", "128", "--val-ratio", "0.25")
+    assert "simulated acceptance length" in capsys.readouterr().out
+    assert (tmp_path / "out" / "draft" / "model.safetensors").is_file()
+
+
+def test_fp8_folder_with_bf16_files_is_refused(tmp_path, kimi_target):
+    data_dir = write_hidden_states(tmp_path / "hs", kimi_target, num_samples=3)
+    config = json.loads((data_dir / "data_config.json").read_text())
+    (data_dir / "data_config.json").write_text(json.dumps(config | {"storage": "fp8", "dtype": "float8_e4m3fn"}))
+    with pytest.raises(PipelineError, match="expected 4 float8_e4m3fn states of hidden size 64 with their scales"):
+        load_hidden_states(data_dir)
 
 
 # --- bad input -------------------------------------------------------------------------------
