@@ -4,13 +4,14 @@ dequantizing the packed experts inside every call.
 
 The default miniature is dominated by its 163840-word embeddings, so this benchmark writes a
 variant where the experts dominate the weights (256 routed experts of 128 x 512, 8 active, as
-many as Kimi-K2.5 activates): 72% of its INT4 checkpoint and 89% of its bf16 one are experts
+many as Kimi-K2.5 activates): 69% of its INT4 checkpoint and 89% of its bf16 one are experts
 (Kimi-K2.5: 96% and 99%). Each variant runs in a fresh process and reads its resident set size
 (VmRSS/VmHWM, reset between phases): the peak while loading (weights plus the shard being read),
 and the peak of the extraction above the loaded model (activations of `--batch-tokens`, files in
 flight, allocator slack, and for INT4 the per-call dequantized expert). Both compute in bf16, as
 on a GPU, over the same batches, so what the INT4 run takes above the bf16 run is charged to its
-weights: peak weight memory = INT4 loading peak + max(0, INT4 run peak - bf16 run peak).
+weights: peak weight memory = INT4 loading peak (at least its tensor bytes) + max(0, INT4 run
+peak - bf16 run peak).
 
 Usage:
     python bench/bench_02_int4.py [--samples 40] [--batch-tokens 1024] [--threads N]
@@ -151,7 +152,10 @@ def run(samples: int = 40, batch_tokens: int = 1024, threads: int | None = None)
     q, b = results["int4"], results["bf16"]
     # Both runs hold the same activations (same samples, batches, bf16 compute); what the INT4 run
     # takes above the bf16 run during extraction is charged to its weights (per-call dequantization).
-    weight_peak = q["load_peak_bytes"] + max(0, q["run_excess_bytes"] - b["run_excess_bytes"])
+    # (The RSS peak can read a little under the tensor bytes when the loader reuses pages freed
+    # before the baseline, so the larger of the two is taken.)
+    loaded = max(q["load_peak_bytes"], q["resident_weight_bytes"])
+    weight_peak = loaded + max(0, q["run_excess_bytes"] - b["run_excess_bytes"])
     return {
         **results, "samples": samples, "batch_tokens": batch_tokens, "threads": threads or torch.get_num_threads(),
         "int4_tokens_per_s": q["tokens"] / q["seconds"], "bf16_tokens_per_s": b["tokens"] / b["seconds"],
@@ -186,22 +190,23 @@ def main() -> int:
     rows = [
         ("", "INT4 experts (packed)", "bf16 experts", "ratio"),
         ("checkpoint (language model)", _mb(q["disk_bytes"]), _mb(b["disk_bytes"]),
-         f"{q['disk_bytes'] / b['disk_bytes']:.3g}"),
-        ("02 tokens/s", f"{r['int4_tokens_per_s']:,.0f}", f"{r['bf16_tokens_per_s']:,.0f}", f"{r['speed_ratio']:.3g}"),
+         f"{q['disk_bytes'] / b['disk_bytes']:#.3g}"),
+        ("02 tokens/s", f"{r['int4_tokens_per_s']:,.0f}", f"{r['bf16_tokens_per_s']:,.0f}", f"{r['speed_ratio']:#.3g}"),
         ("weights: peak while loading", _mb(q["load_peak_bytes"]), _mb(b["load_peak_bytes"]),
-         f"{q['load_peak_bytes'] / b['load_peak_bytes']:.3g}"),
+         f"{q['load_peak_bytes'] / b['load_peak_bytes']:#.3g}"),
         ("weight tensors after the run", _mb(q["resident_weight_bytes"]), _mb(b["resident_weight_bytes"]),
-         f"{q['resident_weight_bytes'] / b['resident_weight_bytes']:.3g}"),
+         f"{q['resident_weight_bytes'] / b['resident_weight_bytes']:#.3g}"),
         ("run: peak above loaded model", _mb(q["run_excess_bytes"]), _mb(b["run_excess_bytes"]),
-         f"{q['run_excess_bytes'] / b['run_excess_bytes']:.3g}"),
+         f"{q['run_excess_bytes'] / b['run_excess_bytes']:#.3g}"),
         ("dequantization share of forward", f"{r['decompress_share']:.1%}", "-", "-"),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
     ok = r["int4_peak_over_disk"] <= GOAL
-    print(f"INT4 peak weight memory {_mb(r['int4_weight_peak_bytes'])} (peak while loading + what its run took "
-          f"above the bf16 run) / packed checkpoint on disk: {r['int4_peak_over_disk']:.3g} (goal <= {GOAL}: "
+    print(f"INT4 peak weight memory {_mb(r['int4_weight_peak_bytes'])} (loading peak, at least its tensors, "
+          f"+ what its run took above the bf16 run) / packed checkpoint on disk: {r['int4_peak_over_disk']:#.3g} "
+          f"(goal <= {GOAL}: "
           f"{'met' if ok else 'NOT met'}); packed expert bytes in memory after the run "
           f"{'equal' if r['packed_kept'] else 'DIFFER FROM'} those on disk ({_mb(q['packed_disk_bytes'])}); "
           f"{q['decompress_calls']:,} per-call dequantizations")

@@ -145,14 +145,14 @@ def activation_headroom(text_config, batch_tokens: int, dtype: torch.dtype, logi
 def plan_device_map(blocks: list[tuple[str, int]], budgets: dict[str, int], headroom: int) -> DevicePlan:
     """Assign blocks in order to the devices of `budgets` (in their order), or refuse.
 
-    A device takes blocks up to about an even share of the weights (total / devices) while the
-    next block fits in its budget minus `headroom`; if uneven budgets or rounding leave
-    blocks over, the fill is repeated taking each device up to its full room."""
+    First an even split: a block goes to the device whose equal slice of the total its middle
+    byte falls in, so every device ends within half a block of total / devices. If that
+    overflows a device's budget minus `headroom` (uneven budgets), devices are instead filled
+    in order up to their room."""
     room = {d: b - headroom for d, b in budgets.items()}
     total = sum(size for _, size in blocks)
     largest = max((size for _, size in blocks), default=0)
-    for share in (-(-total // max(len(budgets), 1)), None):
-        placed = _fill(blocks, room, share)
+    for placed in (_even(blocks, room), _fill(blocks, room)):
         if placed is not None:
             used: dict[str, int] = {}
             for name, size in blocks:
@@ -167,15 +167,25 @@ def plan_device_map(blocks: list[tuple[str, int]], budgets: dict[str, int], head
         "or a smaller --batch-tokens")
 
 
-def _fill(blocks: list[tuple[str, int]], room: dict[str, int], share: int | None) -> dict[str, str] | None:
-    """Blocks in order onto devices in order; a device is closed when the next block does not
-    fit its room, or (with a `share`) when more than half of that block would lie past the share
-    (so each device ends within half a block of it). None when blocks are left over."""
+def _even(blocks: list[tuple[str, int]], room: dict[str, int]) -> dict[str, str] | None:
+    """Each block on the device whose slice of the total holds its middle byte; None if a
+    device then holds more than its room."""
+    devices = list(room)
+    share = max(sum(size for _, size in blocks) / max(len(devices), 1), 1)
+    placed, used, before = {}, dict.fromkeys(devices, 0), 0
+    for name, size in blocks:
+        device = devices[min(int((before + size / 2) // share), len(devices) - 1)]
+        placed[name], before = device, before + size
+        used[device] += size
+    return placed if all(used[d] <= room[d] for d in devices) else None
+
+
+def _fill(blocks: list[tuple[str, int]], room: dict[str, int]) -> dict[str, str] | None:
+    """Blocks in order onto devices in order, each device up to its room; None if blocks are left."""
     devices = list(room)
     placed, index, used = {}, 0, 0
     for name, size in blocks:
-        while index < len(devices) and (used + size > room[devices[index]]
-                                         or (share is not None and used and used + size / 2 > share)):
+        while index < len(devices) and used + size > room[devices[index]]:
             index, used = index + 1, 0
         if index == len(devices):
             return None

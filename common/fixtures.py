@@ -3,8 +3,9 @@
 No test may download weights, so the project writes its own targets, deterministic from a
 seed. The Kimi-style one has everything that makes the real Kimi-K2.5 awkward for generic
 tools: a nested config read through remote code (`trust_remote_code`), weights under
-`language_model.*` next to `vision_tower.*`/`mm_projector.*` in several shards, an untied
-lm_head, Kimi's 163840-token vocabulary with its special tokens at their real ids, and a slow
+`language_model.*` next to `vision_tower.*`/`mm_projector.*` in several shards, routed experts
+stored as compressed-tensors INT4 (pack-quantized, group 32, `quantization_config` in
+`text_config`; `kimi-bf16` keeps them bf16), an untied lm_head, Kimi's 163840-token vocabulary with its special tokens at their real ids, and a slow
 tiktoken tokenizer with Kimi's chat format. The flat one is a plain Llama with a fast tokenizer
 and a ChatML template.
 

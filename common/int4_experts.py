@@ -75,8 +75,8 @@ def quantize_routed_experts(state: dict[str, torch.Tensor], group_size: int = GR
             raise ValueError(f"{key}: {cols} inputs are not a multiple of the group size {group_size}")
         groups = tensor.float().view(rows, cols // group_size, group_size)
         scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
-        packed = PackedQuantizationCompressor.compress({"weight": tensor.float(), "weight_scale": scale.to(SCALE_DTYPE)},
-                                                       scheme)
+        module_state = {"weight": tensor.float(), "weight_scale": scale.to(SCALE_DTYPE)}
+        packed = PackedQuantizationCompressor.compress(module_state, scheme)
         out.update({f"{module}.{name}": packed[name] for name in PACKED_PARAMS})
     return out, kimi_quantization_config(group_size)
 

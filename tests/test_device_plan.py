@@ -108,6 +108,7 @@ def test_loader_refuses_device_map_auto_without_gpus(kimi_target, monkeypatch):
         load_text_model(load_target_info(kimi_target), dtype=torch.bfloat16, device_map="auto")
 
 
+@pytest.mark.slow
 def test_script_refuses_device_map_auto_on_cpu(tmp_path, kimi_target):
     proc = run_script("02_extract_hidden_states.py", "--run-dir", tmp_path, "--target", kimi_target,
                       "--trust-remote-code", "--device-map", "auto", check=False,

@@ -83,7 +83,7 @@ def test_only_routed_experts_are_quantized_and_the_config_says_so(plain_model, i
         f"model.layers.1.mlp.experts.0.gate_proj.{p}" for p in PACKED_PARAMS}
     assert config["format"] == "pack-quantized" and config["quant_method"] == "compressed-tensors"
     weights = config["config_groups"]["group_0"]["weights"]
-    assert (weights["num_bits"], weights["group_size"], weights["symmetric"], weights["strategy"]) == (4, 32, True, "group")
+    assert [weights[k] for k in ("num_bits", "group_size", "symmetric", "strategy")] == [4, 32, True, "group"]
     # The loader, reading that config through the library's matching, picks exactly the routed experts.
     chosen = packed_modules(plain_model, parse_quantization_config(config, "test"), "language_model.")
     assert all(".mlp.experts." in name for name in chosen) and len(chosen) == 7 * 8 * 3
@@ -183,7 +183,8 @@ def _broken_copy(src: Path, dst: Path, key: str, value: torch.Tensor | None) -> 
                       rf"\(it holds "),
 ])
 def test_malformed_int4_checkpoints_name_the_tensor(kimi_target, tmp_path, case, message):
-    key = f"{EXPERT}.{'weight_shape' if case == 'weight_shape' else 'weight_packed' if case == 'packed_dtype' else 'weight_scale'}"
+    param = {"weight_shape": "weight_shape", "packed_dtype": "weight_packed"}.get(case, "weight_scale")
+    key = f"{EXPERT}.{param}"
     original = read_tensors(kimi_target, [key])[key]
     value = {"scale_shape": lambda: torch.ones(64, 3, dtype=torch.bfloat16),
              "scale_dtype": lambda: original.to(torch.int32),
