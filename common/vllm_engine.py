@@ -21,7 +21,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -312,17 +311,17 @@ def measure_with_vllm(python: Path, base: EngineSettings, prompts: list[tuple[st
     """Plain vLLM greedy decoding of (sample id, prompt ids), then each draft served with the
     target: outputs compared token by token with the plain run (temperature 0)."""
     ids = [p for _, p in prompts]
-    print(f"vLLM: decoding {len(ids)} prompts without speculation")
-    plain = _run(python, base, ids, max_new_tokens, stop_ids)
     results = {}
-    for name, folder in drafts.items():
-        print(f"vLLM: decoding {len(ids)} prompts with {name} ({folder})")
+    for name, folder in drafts.items():  # drafts first: a draft vLLM refuses fails before the plain run
+        print(f"vLLM: decoding {len(ids)} prompts with {name} ({folder})", flush=True)
         settings = EngineSettings(**{**base.__dict__, "draft": str(folder), "num_speculative_tokens": k})
-        result = _run(python, settings, ids, max_new_tokens, stop_ids)
-        if result.drafts == 0:
+        results[name] = _run(python, settings, ids, max_new_tokens, stop_ids)
+        if results[name].drafts == 0:
             raise PipelineError(f"vLLM served {name} {folder} but reported no drafts: speculative decoding did not run")
+    print(f"vLLM: decoding {len(ids)} prompts without speculation", flush=True)
+    plain = _run(python, base, ids, max_new_tokens, stop_ids)
+    for result in results.values():
         result.mismatched = [sid for (sid, _), a, b in zip(prompts, result.outputs, plain.outputs) if a != b]
-        results[name] = result
     return plain, results
 
 
