@@ -16,6 +16,8 @@ Usage:
     torchrun --nproc-per-node 8 02_extract_hidden_states.py --prepared ... --target ... --output ...
         # data parallel, one shard per GPU (RANK / WORLD_SIZE give --shard-index / --num-shards)
     python 02_extract_hidden_states.py ... --num-shards 4 --shard-index J   # shard J of 4, e.g. on host J
+    python 02_extract_hidden_states.py ... --engine vllm [--vllm-python .venv-vllm/bin/python] \
+        [--tensor-parallel-size 8]                       # vLLM from its own environment (common/vllm_engine.py)
 
 Run the same command again to resume: complete files are kept, unreadable ones redone. Shards
 may share one output folder; the last one to finish writes sample_lengths.json/data_config.json.
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -57,6 +61,8 @@ from common.hidden_states import (
 from common.prepared import check_prepared_target, load_prepared
 from common.state_storage import DEFAULT_STORAGE, STORAGES
 from common.target import load_target_info, weight_map
+from common.vllm_engine import EngineSettings, VllmStateExtractor, VllmWorker, add_engine_args, check_vllm_python, \
+    final_norm_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_BATCH_TOKENS = 8192
@@ -96,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="this process's shard, 0-based (default: $RANK or 0)")
     batching.add_argument("--skip-disk-check", action="store_true",
                           help="start even when the output disk looks too small")
+    add_engine_args(parser, "extract")
     args = parser.parse_args(argv)
     if args.batch_tokens <= 0:
         raise PipelineError(f"--batch-tokens {args.batch_tokens}: must be positive")
@@ -124,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
     device, dtype = resolve_device(args)
     check_placement_flags(args.device_map, args.max_memory)
+    vllm_python = check_vllm_python(args.vllm_python) if args.engine == "vllm" else None
+    if vllm_python is not None:
+        dtype = torch.bfloat16  # vLLM runs the target in bf16 (its CPU kernels too)
 
     # 2. The prepared samples, refused if their ids do not fit the target's vocabulary.
     ds, report = load_prepared(prepared_dir)
@@ -150,16 +160,28 @@ def main(argv: list[str] | None = None) -> int:
     shard = f"shard {args.shard_index} of {args.num_shards}: " if args.num_shards > 1 else ""
     print(f"{shard}{len(mine):,} samples in {len(batches):,} batches: {len(done):,} done, {redo:,} to redo, "
           f"{len(mine - done):,} to extract ({todo_tokens:,} tokens, about {needed / 1e9:,.2f} GB)")
+    where = "vLLM" if vllm_python else device or "device map auto"
     print(f"target {info.path} ({info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}); "
-          f"states {layer_ids} + post-norm final; compute {config.compute_dtype} on {device or 'device map auto'}, "
-          f"stored as {storage.name}")
+          f"states {layer_ids} + post-norm final; compute {config.compute_dtype} on {where}, stored as {storage.name}")
 
     # 5. Extract.
     write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
     stats = ExtractStats()
-    if mine - done:
+    show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
+    if mine - done and vllm_python is not None:
+        settings = EngineSettings.for_target(info, max(lengths.values()) + 1, trust_remote_code,
+                                             args.tensor_parallel_size)
+        scratch = f".vllm-states-{args.shard_index}-of-{args.num_shards}-"
+        for stale in out.glob(scratch + "*"):  # left by a killed run of this shard
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
+            settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
+            with VllmWorker(vllm_python, settings) as worker:
+                print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
+                extractor = VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)
+                stats = ExtractionRun(extractor, ds, out, show_progress=show).run(batches, done, lengths)
+    elif mine - done:
         model = load_target_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
-        show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
         extractor = StateExtractor(model, layer_ids, storage)
         stats = ExtractionRun(extractor, ds, out, show_progress=show).run(batches, done, lengths)
 

@@ -19,6 +19,8 @@ Usage:
         [--json RUN/eval.json]
     python 05_evaluate.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN --device-map auto
         # the real target spread over all GPUs, the draft on the first
+    python 05_evaluate.py ... --engine vllm [--vllm-python .venv-vllm/bin/python] [--tensor-parallel-size 8]
+        # also serve the target with each draft in vLLM: its acceptance counters beside 05's own figures
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from common.prepared import check_prepared_target, load_prepared
 from common.speculative import stop_token_ids
 from common.target import load_target_info
 from common.training import load_hidden_states
+from common.vllm_engine import EngineSettings, add_engine_args, check_vllm_python, engine_table, measure_with_vllm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -87,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 "refused, never offloaded, when it does not fit")
     model.add_argument("--max-memory", default=None, metavar="SIZE",
                        help="with --device-map auto: budget per GPU, e.g. 130GiB or 0=130GiB,1=120GiB")
+    add_engine_args(parser, "also measure served acceptance")
     args = parser.parse_args(argv)
+    if args.engine == "vllm" and args.offline_only:
+        raise PipelineError("--engine vllm measures served acceptance; it cannot be combined with --offline-only")
     for flag in ("num_speculative_tokens", "max_new_tokens", "max_prompts", "max_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise PipelineError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
@@ -109,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_dirs["reference"] = args.reference
     for folder in draft_dirs.values():
         check_draft(folder, info)
+    vllm_python = check_vllm_python(args.vllm_python) if args.engine == "vllm" else None
 
     # 2. held-out samples: hidden states (optional unless named) and prompts
     data_dir = stage_dir(args, "hidden_states", args.data)
@@ -152,9 +159,20 @@ def main(argv: list[str] | None = None) -> int:
             report.measured = measure_draft(model, draft.to(dtype), prompts, greedy, k, args.max_new_tokens,
                                             stop_ids, desc=report.name)
 
-    # 5. summary: the side-by-side table, one output text, the JSON
+    # 5. served: vLLM with each draft and without speculation, on the same prompts
+    served: dict = {}
+    if vllm_python is not None:
+        longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + k + 8
+        base = EngineSettings.for_target(info, longest, trust_remote_code, args.tensor_parallel_size)
+        plain, served = measure_with_vllm(vllm_python, base, [(p.sample_id, p.ids) for p in prompts], draft_dirs,
+                                          k, args.max_new_tokens, stop_ids)
+
+    # 6. summary: the side-by-side table, one output text, the JSON
     drafts = [report for report, _ in reports]
     print(summary_table(drafts, k))
+    if served:
+        print(engine_table([r.name for r in drafts], {r.name: r.measured for r in drafts}, served,
+                           {r.name: (r.offline or {}).get("simulated_acceptance_length") for r in drafts}, k))
     tokenizer = load_tokenizer(Path(info.path), trust_remote_code)
     decode = tokenizer.decode
     if drafts[0].measured is not None:
@@ -167,8 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     if args.json is not None:
         settings = {"target": info.path, "num_speculative_tokens": k, "max_new_tokens": args.max_new_tokens,
-                    "prompts": len(prompts), "held_out": split.rule, "dtype": str(dtype).removeprefix("torch.")}
-        write_report(args.json, drafts, prompts, decode, settings)
+                    "prompts": len(prompts), "held_out": split.rule, "dtype": str(dtype).removeprefix("torch."),
+                    "engine": args.engine}
+        if served:
+            settings["vllm_plain_tokens_per_second"] = plain.tokens_per_second
+        write_report(args.json, drafts, prompts, decode, settings,
+                     per_draft={name: {"vllm": m.figures()} for name, m in served.items()})
         print(f"wrote {args.json}")
     return 0
 

@@ -336,10 +336,11 @@ def _at(values: list | None, j: int):
     return values[j] if values is not None and j < len(values) else None
 
 
-def write_report(path: str | Path, reports: list[DraftReport], prompts: list[Prompt], decode, settings: dict) -> None:
+def write_report(path: str | Path, reports: list[DraftReport], prompts: list[Prompt], decode, settings: dict,
+                 per_draft: dict[str, dict] | None = None) -> None:
     """`--json`: the first draft's figures at the top level (the command-line contract), every
-    draft's under `drafts`, and the settings they were measured with."""
-    drafts = [r.figures(prompts, decode) for r in reports]
+    draft's under `drafts` (with its `per_draft` block, e.g. vLLM's figures), and the settings."""
+    drafts = [r.figures(prompts, decode) | (per_draft or {}).get(r.name, {}) for r in reports]
     top = {key: drafts[0].get(key) for key in ("measured_acceptance_length", "simulated_acceptance_length",
                                                 "acceptance_rate_per_position", "identical_to_greedy")}
     write_json(path, {**top, **settings, "drafts": drafts})

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from common.errors import PipelineError
 from common.extract_io import NUM_STATES, save_sample
-from common.state_storage import DEFAULT_STORAGE, STORAGES, StateStorage
+from common.state_storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
 from common.target import TargetError, TargetInfo, load_text_model
 
 WRITE_THREADS = 4  # file writes overlap the next forward pass
@@ -129,19 +129,6 @@ def capture_layers(layers: torch.nn.ModuleList, layer_ids: list[int]) -> Iterato
 def _sync(tensor: torch.Tensor) -> None:
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
-
-
-@dataclass
-class StoredStates:
-    """One sample's four states as stored ([S, H] each) and their fp8 scales ([4, S]) if any."""
-
-    states: list[torch.Tensor]
-    scales: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        tensors = self.states + ([self.scales] if self.scales is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class StateExtractor:

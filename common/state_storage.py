@@ -33,6 +33,19 @@ SCALES_KEY = "hidden_state_scales"
 V1_KEYS = frozenset({"input_ids", "hidden_states", "loss_mask"})
 
 
+@dataclass
+class StoredStates:
+    """One sample's four states as stored ([S, H] each) and their fp8 scales ([4, S]) if any."""
+
+    states: list[torch.Tensor]
+    scales: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.states + ([self.scales] if self.scales is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass(frozen=True)
 class StateStorage:
     """One way of storing the four states of a sample."""
