@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import random
 import shutil
 import signal
 import subprocess
@@ -17,11 +18,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
-from common import patch
+from common import checkpoints, patch
 from common.draft import (
     KIMI_CONFIG,
     TINY_CONFIG,
@@ -50,6 +52,7 @@ from conftest import run_script
 SCRIPT = "04_train.py"
 SEQ = 512  # --total-seq-len of the test runs: short sequences, many optimizer steps
 DRAFT_VOCAB = 1024
+LOG = "train_log.jsonl"
 EPOCHS = 2
 
 
@@ -366,6 +369,82 @@ def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
     assert config["transformer_layer_config"]["rope_theta"] == 10000.0  # the flat target's own
     assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
     assert load_draft(tmp_path / "out" / "draft").lm_head.weight.shape == (200, 64)
+
+
+# --- resuming mid-epoch equals an uninterrupted run --------------------------------------------
+
+
+def kill_after_step_checkpoint(args: list[str | Path], steps: Path, timeout: float = 600) -> None:
+    """Start 04, SIGKILL it as soon as a step checkpoint is in place (a file, not a timer)."""
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / SCRIPT), *map(str, args)], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not checkpoints.numbered(steps) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "04 ended on its own before it was killed"
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(tmp_path, flat_target):
+    """Bitwise on CPU: same batches, fp32 weights and AdamW moments, the noise RNG restored."""
+    write_hidden_states(tmp_path / "hs", flat_target, num_samples=80)  # 32 steps per epoch
+    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target).vocab_size)
+
+    def args(out: str, *extra: str) -> list[str | Path]:
+        return ["--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
+                "--vocab", tmp_path / "vocab", "--output", tmp_path / out, "--epochs", "2",
+                "--total-seq-len", "128", "--val-ratio", "0.2", "--noise-std", "0.05", "--save-every", "5", *extra]
+
+    run_script(SCRIPT, *args("whole"))
+    kill_after_step_checkpoint(args("killed"), tmp_path / "killed" / "checkpoints" / "steps")
+    point = checkpoints.latest(tmp_path / "killed" / "checkpoints")
+    assert point.skip_batches > 0 and point.epoch == 0  # killed in the middle of epoch 1
+    resumed = run_script(SCRIPT, *args("killed", "--resume")).stdout
+    assert "resuming after step checkpoint" in resumed
+
+    for name in ("draft/model.safetensors", "checkpoints/1/model.safetensors"):
+        assert sha256(tmp_path / "whole" / name) == sha256(tmp_path / "killed" / name), name
+    with safe_open(tmp_path / "killed" / "draft" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # the export stays bf16
+    with safe_open(tmp_path / "killed" / "checkpoints" / "1" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32
+    assert read_log(tmp_path / "whole" / LOG) == read_log(tmp_path / "killed" / LOG)  # same losses, step by step
+    kept = checkpoints.numbered(tmp_path / "whole" / "checkpoints" / "steps")
+    assert kept == [55, 60]  # the last two of every 5th step, the epoch ends (32, 64) excepted
+
+
+def write_position(folder: Path, position: checkpoints.Position) -> Path:
+    folder.mkdir(parents=True)
+    checkpoints.write_state(folder, position, rank=0)
+    return folder
+
+
+def test_latest_checkpoint_is_the_furthest_step(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert checkpoints.latest(root) is None
+    write_position(root / "0", checkpoints.Position(0, 32, 32, True))
+    write_position(root / "steps" / "30", checkpoints.Position(0, 30, 30, False))
+    point = checkpoints.latest(root)
+    assert (point.folder.name, point.epoch, point.skip_batches) == ("0", 1, 0)  # the later epoch end wins
+    write_position(root / "steps" / "40", checkpoints.Position(1, 8, 40, False))
+    point = checkpoints.latest(root)
+    assert (point.folder.name, point.epoch, point.skip_batches) == ("40", 1, 8)
+    (root / "1").mkdir()  # an epoch checkpoint of an earlier version: no position, continue after it
+    assert checkpoints.latest(root).folder.name == "40"  # unknown step loses to a known one
+    write_position(root / "steps" / "45", checkpoints.Position(1, 13, 45, False))
+    checkpoints.prune_steps(root, keep=2)
+    assert checkpoints.numbered(root / "steps") == [40, 45]
+
+
+def test_rng_state_round_trip(tmp_path):
+    write_position(tmp_path / "c", checkpoints.Position(0, 1, 1, False))
+    expected = torch.rand(3), random.random(), np.random.rand()
+    torch.rand(5), random.random(), np.random.rand()  # move every generator on
+    assert checkpoints.restore_rng(tmp_path / "c", rank=0)
+    assert (torch.equal(torch.rand(3), expected[0]), random.random(), np.random.rand()) == (True, *expected[1:])
+    assert not checkpoints.restore_rng(tmp_path / "c", rank=1)
 
 
 # --- bad input -------------------------------------------------------------------------------
