@@ -16,7 +16,8 @@ Usage:
         # data parallel, one shard per GPU (RANK / WORLD_SIZE give --shard-index / --num-shards)
     python 02_extract_hidden_states.py ... --num-shards 4 --shard-index J   # shard J of 4, e.g. on host J
 
-Run the same command again to resume: complete files are kept, unreadable ones redone. Shards
+Run the same command again to resume: complete files are kept, unreadable ones redone (files the
+journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Shards
 may share one output folder; the last one to finish writes sample_lengths.json/data_config.json.
 """
 
@@ -34,7 +35,9 @@ from common.extract_io import (
     NUM_STATES,
     check_disk,
     check_output_folder,
+    Journal,
     find_done,
+    journal_path,
     manifest_path,
     merge_manifests,
     new_data_config,
@@ -147,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     if mine - done:
         model = load_target_model(info, dtype, device, args.device_map)
         show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
-        stats = ExtractionRun(StateExtractor(model, layer_ids), ds, out, show_progress=show).run(batches, done, lengths)
+        journal = Journal(journal_path(out, args.shard_index, args.num_shards))
+        try:
+            stats = ExtractionRun(StateExtractor(model, layer_ids), ds, out, show_progress=show,
+                                  journal=journal).run(batches, done, lengths)
+        finally:
+            journal.close()
 
     # 6. This shard's manifest; the last shard to finish merges them all.
     write_manifest(manifest, config, {i: lengths[i] for i in done} | stats.written, stats.failed, finished=True)

@@ -6,6 +6,8 @@ Layout (speculators' v1 sample format, see DESIGN.md):
                                                       by i // 10000 to keep folders small
     OUT/extract_shard_{j}_of_{k}.json                 one manifest per shard (identity, lengths,
                                                       failed samples, finished flag)
+    OUT/extract_journal_{j}_of_{k}.txt                the files each shard has finished (size, ids
+                                                      digest): the resume scan reads it, not the files
     OUT/sample_lengths.json                           {"i": S} of every data file in the folder
     OUT/data_config.json                              DataConfig: what produced the files
 
@@ -22,6 +24,7 @@ disk, so the two files are consistent with the folder whenever they are written.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -29,6 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -50,6 +54,7 @@ MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")
 # What must agree between a folder's existing files and a new run writing into it.
 IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_layers", "vocab_size",
                    "layer_ids", "last_state", "dtype", "format_version")
+DIGEST_CHARS = 16  # hex characters of a journal's ids digest
 PACKAGES = ("torch", "transformers", "speculators", "datasets")
 
 
@@ -164,9 +169,24 @@ def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int) -> bool:
 
 def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 1000) -> tuple[set[int], int]:
     """(indices whose file is complete and matches its prepared row, count of files deleted
-    because they were not): a resumed run keeps the first and redoes the rest."""
-    existing = list_sample_files(root)
+    because they were not): a resumed run keeps the first and redoes the rest.
+
+    A file the journals list with its current size and the digest of its prepared row's ids is
+    kept without being opened (one `stat` instead of a `torch.load`: the difference between
+    seconds and many minutes for 500K files); any other file is loaded and checked."""
+    existing = _sample_file_names(root)
     candidates = sorted(i for i in indices if i in existing)
+    journal = read_journals(root)
+    listed = [i for i in candidates if i in journal]
+    digests = row_digests(ds, listed, chunk)
+    done = {i for i in listed if (os.stat(existing[i]).st_size, digests[i]) in journal[i]}
+    unsure = {i: Path(existing[i]) for i in candidates if i not in done}
+    checked, redo = _load_and_check(unsure, ds, sorted(unsure), hidden_size, chunk)
+    return done | checked, redo
+
+
+def _load_and_check(existing: dict[int, Path], ds, candidates: list[int], hidden_size: int,
+                    chunk: int) -> tuple[set[int], int]:
     done, redo = set(), 0
     column = ds.select_columns(["input_ids"])
     with tqdm(total=len(candidates), desc="check existing", unit="file", disable=len(candidates) < chunk) as bar:
@@ -185,16 +205,22 @@ def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 
 def list_sample_files(root: Path) -> dict[int, Path]:
     """Index -> path of every data file under `root`. Any other `*pt` file is refused:
     speculators' dataset would load it as a sample."""
+    return {i: Path(path) for i, path in _sample_file_names(root).items()}
+
+
+def _sample_file_names(root: Path) -> dict[int, str]:
+    """`list_sample_files` with plain strings: building a `Path` costs more than the scan itself
+    when a folder holds 500K files."""
     found = {}
     for folder, _dirs, files in os.walk(root):
         for name in files:
             if not name.endswith("pt"):
                 continue
-            index = sample_index(name)
-            if index is None:
+            match = SAMPLE_RE.fullmatch(name)
+            if match is None:
                 raise PipelineError(f"output folder {root} holds {Path(folder) / name}, which is not a hidden-state "
                                     "file (speculators' dataset loads every *pt file); use another --output")
-            found[index] = Path(folder) / name
+            found[int(match.group(1))] = os.path.join(folder, name)
     return found
 
 
@@ -209,6 +235,60 @@ def remove_own_temporaries(root: Path, indices: set[int], manifest: Path) -> int
             tmp.unlink(missing_ok=True)
             count += 1
     return count
+
+
+# --- the journal of finished files (the resume scan reads it instead of the files) ----------
+
+
+def journal_path(root: str | Path, shard_index: int, num_shards: int) -> Path:
+    return Path(root) / f"extract_journal_{shard_index}_of_{num_shards}.txt"
+
+
+def ids_digest(input_ids) -> str:
+    """A short digest of a sample's token ids (any integer sequence or array)."""
+    return hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=DIGEST_CHARS // 2).hexdigest()
+
+
+class Journal:
+    """One line per sample file this shard has finished, appended once the file is in place:
+    `INDEX FILE_BYTES IDS_DIGEST` (plain text: it parses several times faster than JSON lines at
+    500K lines). A kill can cut the last line short or lose the lines of the last files; either
+    only means those files get checked the slow way on resume."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = path.open("a", encoding="utf-8")
+
+    def add(self, index: int, file_bytes: int, digest: str) -> None:
+        self.file.write(f"{index} {file_bytes} {digest}\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_journals(root: Path) -> dict[int, set[tuple[int, str]]]:
+    """Index -> every (file size, ids digest) any journal in `root` lists for it."""
+    records: dict[int, set[tuple[int, str]]] = {}
+    for path in root.glob("extract_journal_*.txt"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            fields = line.split(" ")
+            if len(fields) != 3 or len(fields[2]) != DIGEST_CHARS or not (fields[0] + fields[1]).isdigit():
+                continue  # a line cut short by a kill
+            records.setdefault(int(fields[0]), set()).add((int(fields[1]), fields[2]))
+    return records
+
+
+def row_digests(ds, indices: list[int], chunk: int = 10_000) -> dict[int, str]:
+    """`ids_digest` of the prepared rows `indices`, read as Arrow buffers (no Python lists)."""
+    column = ds.select_columns(["input_ids"]).with_format("arrow")
+    digests = {}
+    for start in range(0, len(indices), chunk):
+        part = indices[start:start + chunk]
+        ids = column[part].column(0).combine_chunks()
+        offsets, values = np.asarray(ids.offsets), ids.values.to_numpy()
+        digests.update((i, ids_digest(values[offsets[k]:offsets[k + 1]])) for k, i in enumerate(part))
+    return digests
 
 
 # --- folder identity, manifests and the merge ----------------------------------------------

@@ -20,7 +20,8 @@ from datasets import Dataset
 from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
 from common.errors import PipelineError
-from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, list_sample_files, sample_path
+from common import extract_io
+from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, list_sample_files, sample_path, save_sample
 from common.fixtures import REPO_ROOT
 from common.hidden_states import (
     StateExtractor,
@@ -256,6 +257,35 @@ def test_resume_after_sigkill_gives_the_uninterrupted_files(extracted, kimi_targ
     assert_same_files(out, reference)
     assert not [p for p in out.rglob(".tmp-*")]
     assert (out / SAMPLE_LENGTHS).read_text() == (reference / SAMPLE_LENGTHS).read_text()
+
+
+def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatch):
+    """Journaled files with their recorded size and ids are kept unopened; a file cut short, a
+    file of other ids, and a file the journal never heard of are loaded and checked."""
+    hidden = 8
+    rows = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    ds = Dataset.from_dict({"input_ids": rows})
+    journal = extract_io.Journal(extract_io.journal_path(tmp_path, 0, 1))
+    for i, ids in enumerate(rows):
+        n = len(ids)
+        size = save_sample(tmp_path, i, torch.tensor(ids), [torch.zeros(n, hidden, dtype=torch.bfloat16)] * 4,
+                           torch.ones(n, dtype=torch.long))
+        if i != 3:  # row 3: killed between its file and its journal line
+            journal.add(i, size, extract_io.ids_digest(ids))
+    journal.file.write("4 12")  # a line cut short by the kill
+    journal.close()
+    truncated = sample_path(tmp_path, 1)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    changed = ds.map(lambda r, i: {"input_ids": [99] * len(r["input_ids"]) if i == 2 else r["input_ids"]},
+                     with_indices=True)  # row 2 re-prepared with other ids
+
+    loaded = []
+    original = extract_io.is_valid_sample
+    monkeypatch.setattr(extract_io, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
+    done, redo = extract_io.find_done(tmp_path, changed, set(range(len(rows))), hidden)
+    assert done == {0, 3, 4} and redo == 2
+    assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
+    assert not sample_path(tmp_path, 1).exists() and not sample_path(tmp_path, 2).exists()
 
 
 @pytest.mark.slow
