@@ -12,7 +12,7 @@ Usage:
     python 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN   # one GPU,
         # configs/draft_kimi_k25.json
     torchrun --nproc-per-node 8 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN
-        # the library's FSDP path, one rank per GPU
+        # the library's FSDP path, one rank per GPU (on a machine without GPUs: one CPU process per rank, gloo)
 
 Flags of the `training` section override the config file (each override is printed). Writes
 OUTPUT/checkpoints/<epoch>/ after each epoch and OUTPUT/checkpoints/steps/<step>/ every
@@ -28,10 +28,10 @@ import argparse
 from pathlib import Path
 
 import torch
-from speculators.train.utils import maybe_destroy_distributed, maybe_setup_distributed
 
 from common import patch
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.distributed import setup_distributed, teardown_distributed
 from common.draft import (
     KIMI_CONFIG,
     TINY_CONFIG,
@@ -111,8 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_device(flag: str, local_rank: int, distributed: bool) -> torch.device:
-    if distributed:
-        return torch.device("cuda", local_rank)
+    if distributed:  # one GPU per rank; on a machine without GPUs, the CPU (gloo)
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if flag == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(flag)
@@ -120,7 +120,7 @@ def resolve_device(flag: str, local_rank: int, distributed: bool) -> torch.devic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    local_rank, world_size, rank, distributed = maybe_setup_distributed()
+    local_rank, world_size, rank, distributed = setup_distributed()
     is_main = rank == 0
     say = print if is_main else (lambda *_a, **_k: None)
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
         f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
     if resume is not None and start_epoch < settings.epochs:
-        say(f"resuming after {resume.describe()} of {settings.epochs}")
+        say(f"resuming after {resume.describe(settings.epochs)}")
 
     # 5. training
     start_step = resume.position.global_step if resume is not None and resume.skip_batches else None
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        device),
                                  train_loader, val_loader, log, resume, settings.save_every)
         trainer.run_training()
-    maybe_destroy_distributed()
+    teardown_distributed()
     if not is_main:
         return 0
 

@@ -68,11 +68,11 @@ class ResumePoint:
         """Batches of `epoch` already trained."""
         return 0 if self.position is None or self.position.epoch_complete else self.position.batches_done
 
-    def describe(self) -> str:
+    def describe(self, epochs: int) -> str:
         if self.skip_batches:
             return (f"step checkpoint {self.folder} (step {self.position.global_step:,}): "
-                    f"epoch {self.epoch + 1}, after batch {self.skip_batches:,}")
-        return f"checkpoint {self.folder}: epoch {self.epoch + 1}"
+                    f"epoch {self.epoch + 1} of {epochs}, after batch {self.skip_batches:,}")
+        return f"checkpoint {self.folder}: epoch {self.epoch + 1} of {epochs}"
 
 
 def write_state(folder: Path, position: Position, rank: int) -> None:

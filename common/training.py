@@ -42,6 +42,8 @@ from speculators.train.data import (
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators.train.noise_transforms import AddUniformNoise
 from speculators.train.trainer import Trainer, TrainerConfig
+from speculators.train.utils import apply_fully_sharded
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -344,6 +346,23 @@ class ProjectTrainer(Trainer):
         else:  # an epoch checkpoint of an earlier version: whole epochs were trained
             self.global_step = self.current_epoch * len(self.train_loader)
 
+    def setup_model(self) -> None:
+        """Single process: the library's. Under torchrun the library shards the draft (moving its
+        layers to the meta device), then re-creates the layers on the hard-coded "cuda" and calls
+        `reset_parameters` where a module has one, so the layers start from other weights than
+        the draft built (and the RMS norms, which have no such method, from uninitialised
+        memory). Here the layers are re-created on this rank's device and the draft's own initial
+        weights loaded back from rank 0: a torchrun run starts where a single-process one does."""
+        if not self.is_distributed:
+            super().setup_model()
+            return
+        initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        apply_fully_sharded(self.model)
+        for layer in self.model.layers:
+            layer.to_empty(device=self.local_rank)
+        set_model_state_dict(self.model, initial, options=StateDictOptions(full_state_dict=True,
+                                                                            broadcast_from_rank0=True, strict=False))
+
     def load_resume_point(self, point: ResumePoint) -> None:
         """Weights, optimizer and scheduler of `point`, read by the library's checkpointer class
         (single-process or FSDP) pointed at that folder. The RNG is restored where the epoch's
@@ -486,6 +505,8 @@ class MetricsLog(logging.Handler):
                 or (start_step is not None and r.get("epoch") == start_epoch and "train" in r
                     and r["step"] < start_step)]
         self.next_step = max((r["step"] + 1 for r in kept if "train" in r), default=0)
+        # the losses of a resumed epoch's steps before the resume, for its closing line
+        self.resumed_losses = [r["train"]["loss"] for r in kept if "train" in r and r.get("epoch") == start_epoch]
         with atomic_path(path) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         self.file = path.open("a", encoding="utf-8")
@@ -509,7 +530,7 @@ class MetricsLog(logging.Handler):
     def epoch_start(self, epoch: int, done: int = 0) -> None:
         """`done`: steps of the epoch trained before a resume."""
         self.bar = tqdm(total=self.steps_per_epoch, initial=done, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
-        self.train_losses, self.last_val = [], None
+        self.train_losses, self.last_val = (self.resumed_losses if done else []), None
 
     def epoch_done(self, epoch: int, train_seconds: float) -> None:
         """One fixed-format line per epoch, and a fresh plot."""

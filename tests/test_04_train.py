@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import shutil
 import signal
@@ -374,45 +375,97 @@ def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
 # --- resuming mid-epoch equals an uninterrupted run --------------------------------------------
 
 
-def kill_after_step_checkpoint(args: list[str | Path], steps: Path, timeout: float = 600) -> None:
-    """Start 04, SIGKILL it as soon as a step checkpoint is in place (a file, not a timer)."""
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / SCRIPT), *map(str, args)], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def kill_after_step_checkpoint(cmd: list[str | Path], steps: Path, timeout: float = 600) -> None:
+    """Start `cmd` (04, or torchrun running it), SIGKILL it and every process it started as soon
+    as a step checkpoint is in place (a file, not a timer)."""
+    proc = subprocess.Popen([*map(str, cmd)], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + timeout
     while not checkpoints.numbered(steps) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
+    for pid in [*descendants(proc.pid), proc.pid]:  # torchrun's ranks would otherwise train on
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "04 ended on its own before it was killed"
 
 
-@pytest.mark.slow
-def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(tmp_path, flat_target):
-    """Bitwise on CPU: same batches, fp32 weights and AdamW moments, the noise RNG restored."""
-    write_hidden_states(tmp_path / "hs", flat_target, num_samples=80)  # 32 steps per epoch
-    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target).vocab_size)
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
 
-    def args(out: str, *extra: str) -> list[str | Path]:
-        return ["--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
-                "--vocab", tmp_path / "vocab", "--output", tmp_path / out, "--epochs", "2",
-                "--total-seq-len", "128", "--val-ratio", "0.2", "--noise-std", "0.05", "--save-every", "5", *extra]
 
-    run_script(SCRIPT, *args("whole"))
-    kill_after_step_checkpoint(args("killed"), tmp_path / "killed" / "checkpoints" / "steps")
-    point = checkpoints.latest(tmp_path / "killed" / "checkpoints")
-    assert point.skip_batches > 0 and point.epoch == 0  # killed in the middle of epoch 1
-    resumed = run_script(SCRIPT, *args("killed", "--resume")).stdout
-    assert "resuming after step checkpoint" in resumed
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory, flat_target) -> Path:
+    """Hidden states and vocabulary of the flat target: 64 training samples, 32 steps per epoch."""
+    folder = tmp_path_factory.mktemp("small04")
+    write_hidden_states(folder / "hs", flat_target, num_samples=80)
+    write_vocab_folder(folder / "vocab", load_target_info(flat_target).vocab_size)
+    return folder
 
-    for name in ("draft/model.safetensors", "checkpoints/1/model.safetensors"):
-        assert sha256(tmp_path / "whole" / name) == sha256(tmp_path / "killed" / name), name
-    with safe_open(tmp_path / "killed" / "draft" / "model.safetensors", "pt") as f:
+
+def small_args(data: Path, target: Path, out: str, *extra: str) -> list[str | Path]:
+    return ["--target", target, "--draft-config", TINY_CONFIG, "--data", data / "hs", "--vocab", data / "vocab",
+            "--output", data / out, "--total-seq-len", "128", "--val-ratio", "0.2", "--noise-std", "0.05",
+            "--save-every", "5", *extra]
+
+
+def assert_same_training(data: Path, whole: str, resumed: str, last_epoch: int) -> None:
+    """Bitwise-equal exported draft and fp32 last checkpoint, and the same log step by step."""
+    for name in ("draft/model.safetensors", f"checkpoints/{last_epoch}/model.safetensors"):
+        assert sha256(data / whole / name) == sha256(data / resumed / name), name
+    with safe_open(data / resumed / "draft" / "model.safetensors", "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # the export stays bf16
-    with safe_open(tmp_path / "killed" / "checkpoints" / "1" / "model.safetensors", "pt") as f:
+    with safe_open(data / resumed / "checkpoints" / str(last_epoch) / "model.safetensors", "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.float32
-    assert read_log(tmp_path / "whole" / LOG) == read_log(tmp_path / "killed" / LOG)  # same losses, step by step
-    kept = checkpoints.numbered(tmp_path / "whole" / "checkpoints" / "steps")
+    assert read_log(data / whole / LOG) == read_log(data / resumed / LOG)
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target):
+    """Bitwise on CPU: same batches, fp32 weights and AdamW moments, the noise RNG restored."""
+    run_script(SCRIPT, *small_args(small_data, flat_target, "whole", "--epochs", "2"))
+    script = [sys.executable, REPO_ROOT / SCRIPT]
+    kill_after_step_checkpoint([*script, *small_args(small_data, flat_target, "killed", "--epochs", "2")],
+                               small_data / "killed" / "checkpoints" / "steps")
+    point = checkpoints.latest(small_data / "killed" / "checkpoints")
+    assert point.skip_batches > 0 and point.epoch == 0  # killed in the middle of epoch 1
+    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, "killed", "--epochs", "2", "--resume")).stdout
+    assert "resuming after step checkpoint" in resumed
+    assert_same_training(small_data, "whole", "killed", last_epoch=1)
+    kept = checkpoints.numbered(small_data / "whole" / "checkpoints" / "steps")
     assert kept == [55, 60]  # the last two of every 5th step, the epoch ends (32, 64) excepted
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
+    """The library's distributed path on gloo: FSDP sharding, its distributed checkpointer behind
+    our staging, the packing sampler over 2 ranks; killed mid-epoch, resumed, bitwise equal."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                REPO_ROOT / SCRIPT]
+    whole = subprocess.run([*map(str, torchrun), *map(str, small_args(small_data, flat_target, "ranks2", "--epochs",
+                                                                       "1"))],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "x 2 rank(s)" in whole.stdout
+    kill_after_step_checkpoint([*torchrun, *small_args(small_data, flat_target, "ranks2_killed", "--epochs", "1")],
+                               small_data / "ranks2_killed" / "checkpoints" / "steps")
+    assert checkpoints.latest(small_data / "ranks2_killed" / "checkpoints").skip_batches > 0
+    resumed = subprocess.run([*map(str, torchrun), *map(str, small_args(small_data, flat_target, "ranks2_killed",
+                                                                         "--epochs", "1", "--resume"))],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming after step checkpoint" in resumed.stdout
+    assert_same_training(small_data, "ranks2", "ranks2_killed", last_epoch=0)
+    for rank in (0, 1):  # every rank's generators were saved
+        assert (small_data / "ranks2_killed" / "checkpoints" / "0" / checkpoints.rng_file(rank)).is_file()
 
 
 def write_position(folder: Path, position: checkpoints.Position) -> Path:
