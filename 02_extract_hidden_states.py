@@ -42,6 +42,7 @@ from common.extract_io import (
     merge_manifests,
     new_data_config,
     remove_own_temporaries,
+    remove_stale_rows,
     write_manifest,
 )
 from common.hidden_states import (
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = manifest_path(out, args.shard_index, args.num_shards)
     out.mkdir(parents=True, exist_ok=True)
     remove_own_temporaries(out, mine, manifest)
+    stale = remove_stale_rows(out, config, num_rows)
+    if stale:
+        print(f"{out} was written from another prepared dataset: removed {stale:,} files of rows past its end")
     done, redo = find_done(out, ds, mine, info.hidden_size)
     todo_tokens = sum(lengths[i] for i in mine - done)
 

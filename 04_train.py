@@ -32,6 +32,7 @@ import torch
 from common import patch
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.distributed import setup_distributed, teardown_distributed
+from common.fingerprints import check_same_prepared
 from common.draft import (
     KIMI_CONFIG,
     TINY_CONFIG,
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_hidden_states(data_dir)
     check_draft_fits(config_file.model, config_file.path, info, vocab.d2t.numel(), vocab_dir)
     check_data_fits(data, config_file.model, config_file.path, info)
+    check_same_prepared(("hidden states", data_dir), ("vocabulary", vocab_dir),
+                        (data.config.prepared_fingerprint, vocab.report.prepared_fingerprint))
 
     # 3. draft model, and the epoch to start at
     config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)

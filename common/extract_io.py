@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from common.atomic import TMP_PREFIX, atomic_path, read_json, write_json
 from common.errors import PipelineError
+from common.fingerprints import prepared_fingerprint
 from common.prepared import PrepareReport
 from common.target import TargetInfo
 
@@ -84,6 +85,7 @@ class DataConfig:
     failed: list[dict] = field(default_factory=list)  # {"index", "sample_id", "error"}
     data_format: str = DATA_FORMAT
     format_version: int = FORMAT_VERSION
+    prepared_fingerprint: str = ""  # common/fingerprints.py; "" in folders of earlier versions
 
     def identity(self) -> dict:
         return {k: getattr(self, k) for k in IDENTITY_FIELDS}
@@ -117,7 +119,8 @@ def new_data_config(info: TargetInfo, layer_ids: list[int], compute_dtype: torch
         hidden_size=info.hidden_size, num_layers=info.num_layers, vocab_size=info.vocab_size,
         layer_ids=list(layer_ids), compute_dtype=str(compute_dtype).removeprefix("torch."),
         max_len=report.max_len, prepared=str(Path(prepared).resolve()), tokenizer=report.tokenizer,
-        chat_template_sha256=report.chat_template_sha256, package_versions=package_versions())
+        chat_template_sha256=report.chat_template_sha256, package_versions=package_versions(),
+        prepared_fingerprint=prepared_fingerprint(prepared))
 
 
 # --- sample files -------------------------------------------------------------------------
@@ -356,6 +359,23 @@ def merge_manifests(root: Path, num_shards: int) -> DataConfig | None:
     write_json(root / SAMPLE_LENGTHS, {str(i): n for i, n in lengths.items()})
     config.save(root)
     return config
+
+
+def remove_stale_rows(root: Path, config: DataConfig, num_rows: int) -> int:
+    """When the folder was last written from another prepared dataset (01 was run again), delete
+    the files of rows past this dataset's end and forget the merged lists: they belong to rows
+    that no longer exist, which 04 would train on and 05 index past the end. Rows within range
+    are checked against their prepared row as on any resume. Returns the files deleted."""
+    if not (root / DATA_CONFIG).is_file():
+        return 0
+    previous = DataConfig.from_dict(read_json(root / DATA_CONFIG)).prepared_fingerprint
+    if previous == config.prepared_fingerprint:
+        return 0
+    stale = [path for i, path in _sample_file_names(root).items() if i >= num_rows]
+    for path in stale:
+        os.unlink(path)
+    (root / SAMPLE_LENGTHS).unlink(missing_ok=True)  # the merge starts from this run's manifests
+    return len(stale)
 
 
 def check_disk(root: Path, needed_bytes: int) -> None:

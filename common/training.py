@@ -265,7 +265,8 @@ class ResumableBatchSampler(MultipackDistributedBatchSamplerV2):
 
 def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: TrainSettings) -> dict:
     """The split as prepared-dataset rows (`data_{i}.pt` holds row i of 02's prepared input)."""
-    return {"prepared": data.config.prepared, "hidden_states": str(data.folder), "val_ratio": settings.val_ratio,
+    return {"prepared": data.config.prepared, "prepared_fingerprint": data.config.prepared_fingerprint,
+            "hidden_states": str(data.folder), "val_ratio": settings.val_ratio,
             "seed": settings.seed, "train_samples": len(train),
             "validation_rows": sorted(sample_index(f) for f in val)}
 

@@ -21,7 +21,7 @@ from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
 from common.errors import PipelineError
 from common import extract_io
-from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, list_sample_files, sample_path, save_sample
+from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, DataConfig, list_sample_files, sample_path, save_sample
 from common.fixtures import REPO_ROOT
 from common.hidden_states import (
     StateExtractor,
@@ -286,6 +286,23 @@ def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatc
     assert done == {0, 3, 4} and redo == 2
     assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
     assert not sample_path(tmp_path, 1).exists() and not sample_path(tmp_path, 2).exists()
+
+
+def test_rows_of_an_earlier_prepared_dataset_are_removed(flat_target, tmp_path, capsys):
+    """01 run again with fewer rows into the same run folder: 02 keeps no file past the new end,
+    and the merged lists name only the new rows."""
+    prepared, out = tmp_path / "prepared", tmp_path / "hs"
+    write_prepared(prepared, flat_target, 10, seed=1)
+    load_script().main(extract_args(prepared, flat_target, out))
+    first = DataConfig.load(out).prepared_fingerprint
+    assert len(list_sample_files(out)) == 10 and first
+    shutil.rmtree(prepared)
+    write_prepared(prepared, flat_target, 6, seed=2)
+    load_script().main(extract_args(prepared, flat_target, out))
+    assert "removed 4 files of rows past its end" in capsys.readouterr().out
+    assert sorted(list_sample_files(out)) == list(range(6))
+    assert sorted(json.loads((out / SAMPLE_LENGTHS).read_text())) == [str(i) for i in range(6)]
+    assert DataConfig.load(out).prepared_fingerprint not in ("", first)
 
 
 @pytest.mark.slow

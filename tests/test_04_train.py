@@ -500,6 +500,18 @@ def test_rng_state_round_trip(tmp_path):
     assert not checkpoints.restore_rng(tmp_path / "c", rank=1)
 
 
+def test_hidden_states_and_vocabulary_of_different_prepared_runs_are_refused(tmp_path, flat_target):
+    write_hidden_states(tmp_path / "hs", flat_target, num_samples=4)
+    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target).vocab_size)
+    for path, fingerprint in ((tmp_path / "hs" / "data_config.json", "1" * 16),
+                              (tmp_path / "vocab" / "vocab_report.json", "2" * 16)):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "prepared_fingerprint": fingerprint}))
+    with pytest.raises(PipelineError, match=r"hidden states .*hs and vocabulary .*vocab come from different runs "
+                                            r"of 01_prepare_data\.py \(prepared fingerprints 1{16} and 2{16}\)"):
+        train_in_process("--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
+                         "--vocab", tmp_path / "vocab", "--output", tmp_path / "out", "--epochs", "1")
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
