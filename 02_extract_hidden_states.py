@@ -19,7 +19,8 @@ Usage:
     python 02_extract_hidden_states.py ... --engine vllm [--vllm-python .venv-vllm/bin/python] \
         [--tensor-parallel-size 8]                       # vLLM from its own environment (common/vllm_engine.py)
 
-Run the same command again to resume: complete files are kept, unreadable ones redone. Shards
+Run the same command again to resume: complete files are kept, unreadable ones redone (files the
+journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Shards
 may share one output folder; the last one to finish writes sample_lengths.json/data_config.json.
 """
 
@@ -29,6 +30,8 @@ import argparse
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,13 +41,16 @@ from common.device_plan import check_placement_flags
 from common.errors import PipelineError
 from common.extract_io import (
     NUM_STATES,
+    Journal,
     check_disk,
     check_output_folder,
     find_done,
+    journal_path,
     manifest_path,
     merge_manifests,
     new_data_config,
     remove_own_temporaries,
+    remove_stale_rows,
     write_manifest,
 )
 from common.hidden_states import (
@@ -59,8 +65,8 @@ from common.hidden_states import (
     validate_layer_ids,
 )
 from common.prepared import check_prepared_target, load_prepared
-from common.state_storage import DEFAULT_STORAGE, STORAGES
-from common.target import load_target_info, weight_map
+from common.state_storage import DEFAULT_STORAGE, STORAGES, StateStorage
+from common.target import TargetInfo, load_target_info, weight_map
 from common.vllm_engine import EngineSettings, VllmStateExtractor, VllmWorker, add_engine_args, check_vllm_python, \
     final_norm_of
 
@@ -119,6 +125,27 @@ def resolve_device(args: argparse.Namespace) -> tuple[str | None, torch.dtype]:
     return device, DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
 
 
+@contextmanager
+def open_extractor(args: argparse.Namespace, info: TargetInfo, trust_remote_code: bool, vllm_python: Path | None,
+                   layer_ids: list[int], dtype: torch.dtype, device: str | None, storage: StateStorage, out: Path,
+                   longest: int) -> Iterator[StateExtractor | VllmStateExtractor]:
+    """The engine that computes the states: the target in this process (HF), or a vLLM worker
+    in its own environment, which writes through a scratch folder inside `out`."""
+    if vllm_python is None:
+        model = load_target_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
+        yield StateExtractor(model, layer_ids, storage)
+        return
+    settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, args.tensor_parallel_size)
+    scratch = f".vllm-states-{args.shard_index}-of-{args.num_shards}-"
+    for stale in out.glob(scratch + "*"):  # left by a killed run of this shard
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
+        settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
+        with VllmWorker(vllm_python, settings) as worker:
+            print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
+            yield VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prepared_dir = stage_dir(args, "prepared", args.prepared)
@@ -150,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = manifest_path(out, args.shard_index, args.num_shards)
     out.mkdir(parents=True, exist_ok=True)
     remove_own_temporaries(out, mine, manifest)
+    stale = remove_stale_rows(out, config, num_rows)
+    if stale:
+        print(f"{out} was written from another prepared dataset: removed {stale:,} files of rows past its end")
     done, redo = find_done(out, ds, mine, info.hidden_size, storage=storage)
     todo_tokens = sum(lengths[i] for i in mine - done)
 
@@ -167,23 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     # 5. Extract.
     write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
     stats = ExtractStats()
-    show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
-    if mine - done and vllm_python is not None:
-        settings = EngineSettings.for_target(info, max(lengths.values()) + 1, trust_remote_code,
-                                             args.tensor_parallel_size)
-        scratch = f".vllm-states-{args.shard_index}-of-{args.num_shards}-"
-        for stale in out.glob(scratch + "*"):  # left by a killed run of this shard
-            shutil.rmtree(stale, ignore_errors=True)
-        with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
-            settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
-            with VllmWorker(vllm_python, settings) as worker:
-                print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
-                extractor = VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)
-                stats = ExtractionRun(extractor, ds, out, show_progress=show).run(batches, done, lengths)
-    elif mine - done:
-        model = load_target_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
-        extractor = StateExtractor(model, layer_ids, storage)
-        stats = ExtractionRun(extractor, ds, out, show_progress=show).run(batches, done, lengths)
+    if mine - done:
+        show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
+        with Journal(journal_path(out, args.shard_index, args.num_shards)) as journal, \
+                open_extractor(args, info, trust_remote_code, vllm_python, layer_ids, dtype, device, storage, out,
+                               max(lengths.values())) as extractor:
+            stats = ExtractionRun(extractor, ds, out, show_progress=show, journal=journal).run(batches, done, lengths)
 
     # 6. This shard's manifest; the last shard to finish merges them all.
     write_manifest(manifest, config, {i: lengths[i] for i in done} | stats.written, stats.failed, finished=True)

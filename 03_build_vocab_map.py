@@ -24,6 +24,7 @@ from pathlib import Path
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.errors import PipelineError
 from common.fixtures import MINIATURE_DRAFT_VOCAB_SIZE
+from common.fingerprints import prepared_fingerprint
 from common.prepared import check_prepared_target, load_prepared
 from common.target import load_target_info
 from common.vocab import (
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     d2t, t2d = build_maps(counts, draft_size)
     report = make_report(counts, t2d, target=info.path, prepared=prepared_dir.resolve(), samples=len(ds))
+    report.prepared_fingerprint = prepared_fingerprint(prepared_dir)
 
     # 4. Write the maps, the counts and the report atomically.
     write_vocab(out_dir, d2t, t2d, counts, report)

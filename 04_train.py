@@ -8,16 +8,18 @@ draft in speculators' format (bf16, vLLM-loadable).
 Usage:
     python 04_train.py                                   # default target and runs/default
     python 04_train.py --data RUN/hidden_states --vocab RUN/vocab --target DIR --output RUN \
-        [--draft-config configs/draft_tiny.json] [--epochs 3] [--lr 2e-3] [--ttt-steps 3] [--resume]
+        [--draft-config configs/draft_tiny.json] [--epochs 3] [--lr 2e-3] [--ttt-steps 3] [--save-every N] [--resume]
     python 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN   # one GPU,
         # configs/draft_kimi_k25.json
     torchrun --nproc-per-node 8 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN
-        # the library's FSDP path, one rank per GPU
+        # the library's FSDP path, one rank per GPU (on a machine without GPUs: one CPU process per rank, gloo)
 
 Flags of the `training` section override the config file (each override is printed). Writes
-OUTPUT/checkpoints/<epoch>/ (the library's checkpointer; `--resume` continues after the last
-one), OUTPUT/draft/, OUTPUT/train_log.jsonl (one line per step and validation pass),
-OUTPUT/train_log.png and OUTPUT/train_report.json.
+OUTPUT/checkpoints/<epoch>/ after each epoch and OUTPUT/checkpoints/steps/<step>/ every
+`--save-every N` steps (the last two kept): fp32 weights and optimizer, scheduler, RNG states and
+the data position, so `--resume` continues from the latest one, mid-epoch included, exactly as an
+uninterrupted run would (common/checkpoints.py). Also OUTPUT/draft/ (bf16), OUTPUT/train_log.jsonl
+(one line per step and validation pass), OUTPUT/train_log.png and OUTPUT/train_report.json.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import argparse
 from pathlib import Path
 
 import torch
-from speculators.train.utils import maybe_destroy_distributed, maybe_setup_distributed
 
 from common import patch
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.distributed import setup_distributed, teardown_distributed
+from common.fingerprints import check_same_prepared
 from common.draft import (
     KIMI_CONFIG,
     TINY_CONFIG,
@@ -77,6 +80,8 @@ TRAINING_FLAGS = {  # flag -> (type, help); each overrides the config file's `tr
     "warmup_steps": (int, "warm-up steps (default: 1%% of all steps)"),
     "num_workers": (int, "data-loader worker processes"),
     "seed": (int, "seed of the split, the packing order and the draft's initialisation"),
+    "save_every": (int, "optimizer steps between step checkpoints in checkpoints/steps/ (the last 2 are kept; "
+                        "0: at the end of each epoch only)"),
 }
 
 
@@ -98,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                "override the config file's, flags override both")
     for name, (kind, text) in TRAINING_FLAGS.items():
         training.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
-    training.add_argument("--resume", action="store_true", help="continue after the last checkpoint in OUTPUT")
+    training.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUTPUT (epoch or step)")
     training.add_argument("--device", default="auto",
                           help="cpu, cuda or cuda:N (default: cuda if available; torchrun: one GPU per rank)")
     training.add_argument("--no-compile", action="store_true",
@@ -107,8 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_device(flag: str, local_rank: int, distributed: bool) -> torch.device:
-    if distributed:
-        return torch.device("cuda", local_rank)
+    if distributed:  # one GPU per rank; on a machine without GPUs, the CPU (gloo)
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if flag == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(flag)
@@ -116,7 +121,7 @@ def resolve_device(flag: str, local_rank: int, distributed: bool) -> torch.devic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    local_rank, world_size, rank, distributed = maybe_setup_distributed()
+    local_rank, world_size, rank, distributed = setup_distributed()
     is_main = rank == 0
     say = print if is_main else (lambda *_a, **_k: None)
 
@@ -138,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     data = load_hidden_states(data_dir)
     check_draft_fits(config_file.model, config_file.path, info, vocab.d2t.numel(), vocab_dir)
     check_data_fits(data, config_file.model, config_file.path, info)
+    check_same_prepared(("hidden states", data_dir), ("vocabulary", vocab_dir),
+                        (data.config.prepared_fingerprint, vocab.report.prepared_fingerprint))
 
     # 3. draft model, and the epoch to start at
     config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
-    start_epoch = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
+    resume = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
+    start_epoch = resume.epoch if resume is not None else 0
     if distributed:
         torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside
     torch.manual_seed(settings.seed)
@@ -159,18 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     tokens = epoch_tokens(data, train_files, settings.total_seq_len)
     say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
         f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
-    if 0 < start_epoch < settings.epochs:
-        say(f"resuming after checkpoint {output / CHECKPOINTS / str(start_epoch - 1)}: "
-            f"epoch {start_epoch + 1} of {settings.epochs}")
+    if resume is not None and start_epoch < settings.epochs:
+        say(f"resuming after {resume.describe(settings.epochs)}")
 
     # 5. training
-    log = MetricsLog(output / LOG_FILE, start_epoch, settings.epochs, len(train_loader), tokens) if is_main else None
+    start_step = resume.position.global_step if resume is not None and resume.skip_batches else None
+    log = (MetricsLog(output / LOG_FILE, start_epoch, settings.epochs, len(train_loader), tokens, start_step)
+           if is_main else None)
     with metrics_logging(log):
         trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume, distributed,
                                                        device),
-                                 train_loader, val_loader, log)
+                                 train_loader, val_loader, log, resume, settings.save_every)
         trainer.run_training()
-    maybe_destroy_distributed()
+    teardown_distributed()
     if not is_main:
         return 0
 

@@ -6,6 +6,8 @@ Layout (speculators' v1 sample format, see DESIGN.md):
                                                       by i // 10000 to keep folders small
     OUT/extract_shard_{j}_of_{k}.json                 one manifest per shard (identity, lengths,
                                                       failed samples, finished flag)
+    OUT/extract_journal_{j}_of_{k}.txt                the files each shard has finished (size, ids
+                                                      digest): the resume scan reads it, not the files
     OUT/sample_lengths.json                           {"i": S} of every data file in the folder
     OUT/data_config.json                              DataConfig: what produced the files
 
@@ -23,6 +25,7 @@ disk, so the two files are consistent with the folder whenever they are written.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -30,11 +33,13 @@ from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from common.atomic import TMP_PREFIX, atomic_path, read_json, write_json
 from common.errors import PipelineError
+from common.fingerprints import prepared_fingerprint
 from common.prepared import PrepareReport
 from common.state_storage import DEFAULT_STORAGE, SCALES_KEY, STORAGES, StateStorage
 from common.target import TargetInfo
@@ -52,6 +57,7 @@ MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")
 # What must agree between a folder's existing files and a new run writing into it.
 IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_layers", "vocab_size",
                    "layer_ids", "last_state", "storage", "dtype", "format_version")
+DIGEST_CHARS = 16  # hex characters of a journal's ids digest
 PACKAGES = ("torch", "transformers", "speculators", "datasets")
 
 
@@ -83,6 +89,7 @@ class DataConfig:
     failed: list[dict] = field(default_factory=list)  # {"index", "sample_id", "error"}
     data_format: str = DATA_FORMAT
     format_version: int = FORMAT_VERSION
+    prepared_fingerprint: str = ""  # common/fingerprints.py; "" in folders of earlier versions
 
     def identity(self) -> dict:
         return {k: getattr(self, k) for k in IDENTITY_FIELDS}
@@ -118,7 +125,7 @@ def new_data_config(info: TargetInfo, layer_ids: list[int], compute_dtype: torch
         layer_ids=list(layer_ids), compute_dtype=str(compute_dtype).removeprefix("torch."),
         max_len=report.max_len, prepared=str(Path(prepared).resolve()), tokenizer=report.tokenizer,
         chat_template_sha256=report.chat_template_sha256, storage=storage.name, dtype=storage.dtype_name,
-        scales=scales, package_versions=package_versions())
+        scales=scales, package_versions=package_versions(), prepared_fingerprint=prepared_fingerprint(prepared))
 
 
 # --- sample files -------------------------------------------------------------------------
@@ -174,9 +181,24 @@ def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int,
 def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 1000,
               storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> tuple[set[int], int]:
     """(indices whose file is complete and matches its prepared row, count of files deleted
-    because they were not): a resumed run keeps the first and redoes the rest."""
-    existing = list_sample_files(root)
+    because they were not): a resumed run keeps the first and redoes the rest.
+
+    A file the journals list with its current size and the digest of its prepared row's ids is
+    kept without being opened (one `stat` instead of a `torch.load`: the difference between
+    seconds and many minutes for 500K files); any other file is loaded and checked."""
+    existing = _sample_file_names(root)
     candidates = sorted(i for i in indices if i in existing)
+    journal = read_journals(root)
+    listed = [i for i in candidates if i in journal]
+    digests = row_digests(ds, listed, chunk)
+    done = {i for i in listed if (os.stat(existing[i]).st_size, digests[i]) in journal[i]}
+    unsure = {i: Path(existing[i]) for i in candidates if i not in done}
+    checked, redo = _load_and_check(unsure, ds, sorted(unsure), hidden_size, chunk, storage)
+    return done | checked, redo
+
+
+def _load_and_check(existing: dict[int, Path], ds, candidates: list[int], hidden_size: int,
+                    chunk: int, storage: StateStorage) -> tuple[set[int], int]:
     done, redo = set(), 0
     column = ds.select_columns(["input_ids"])
     with tqdm(total=len(candidates), desc="check existing", unit="file", disable=len(candidates) < chunk) as bar:
@@ -195,16 +217,22 @@ def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 
 def list_sample_files(root: Path) -> dict[int, Path]:
     """Index -> path of every data file under `root`. Any other `*pt` file is refused:
     speculators' dataset would load it as a sample."""
+    return {i: Path(path) for i, path in _sample_file_names(root).items()}
+
+
+def _sample_file_names(root: Path) -> dict[int, str]:
+    """`list_sample_files` with plain strings: building a `Path` costs more than the scan itself
+    when a folder holds 500K files."""
     found = {}
     for folder, _dirs, files in os.walk(root):
         for name in files:
             if not name.endswith("pt"):
                 continue
-            index = sample_index(name)
-            if index is None:
+            match = SAMPLE_RE.fullmatch(name)
+            if match is None:
                 raise PipelineError(f"output folder {root} holds {Path(folder) / name}, which is not a hidden-state "
                                     "file (speculators' dataset loads every *pt file); use another --output")
-            found[index] = Path(folder) / name
+            found[int(match.group(1))] = os.path.join(folder, name)
     return found
 
 
@@ -219,6 +247,66 @@ def remove_own_temporaries(root: Path, indices: set[int], manifest: Path) -> int
             tmp.unlink(missing_ok=True)
             count += 1
     return count
+
+
+# --- the journal of finished files (the resume scan reads it instead of the files) ----------
+
+
+def journal_path(root: str | Path, shard_index: int, num_shards: int) -> Path:
+    return Path(root) / f"extract_journal_{shard_index}_of_{num_shards}.txt"
+
+
+def ids_digest(input_ids) -> str:
+    """A short digest of a sample's token ids (any integer sequence or array)."""
+    return hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=DIGEST_CHARS // 2).hexdigest()
+
+
+class Journal:
+    """One line per sample file this shard has finished, appended once the file is in place:
+    `INDEX FILE_BYTES IDS_DIGEST` (plain text: it parses several times faster than JSON lines at
+    500K lines). A kill can cut the last line short or lose the lines of the last files; either
+    only means those files get checked the slow way on resume."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = path.open("a", encoding="utf-8")
+
+    def add(self, index: int, file_bytes: int, digest: str) -> None:
+        self.file.write(f"{index} {file_bytes} {digest}\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_journals(root: Path) -> dict[int, set[tuple[int, str]]]:
+    """Index -> every (file size, ids digest) any journal in `root` lists for it."""
+    records: dict[int, set[tuple[int, str]]] = {}
+    for path in root.glob("extract_journal_*.txt"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            fields = line.split(" ")
+            if len(fields) != 3 or len(fields[2]) != DIGEST_CHARS or not (fields[0] + fields[1]).isdigit():
+                continue  # a line cut short by a kill
+            records.setdefault(int(fields[0]), set()).add((int(fields[1]), fields[2]))
+    return records
+
+
+def row_digests(ds, indices: list[int], chunk: int = 10_000) -> dict[int, str]:
+    """`ids_digest` of the prepared rows `indices`, read as Arrow buffers (no Python lists)."""
+    column = ds.select_columns(["input_ids"]).with_format("arrow")
+    digests = {}
+    for start in range(0, len(indices), chunk):
+        part = indices[start:start + chunk]
+        ids = column[part].column(0).combine_chunks()
+        offsets, values = np.asarray(ids.offsets), ids.values.to_numpy()
+        digests.update((i, ids_digest(values[offsets[k]:offsets[k + 1]])) for k, i in enumerate(part))
+    return digests
 
 
 # --- folder identity, manifests and the merge ----------------------------------------------
@@ -286,6 +374,23 @@ def merge_manifests(root: Path, num_shards: int) -> DataConfig | None:
     write_json(root / SAMPLE_LENGTHS, {str(i): n for i, n in lengths.items()})
     config.save(root)
     return config
+
+
+def remove_stale_rows(root: Path, config: DataConfig, num_rows: int) -> int:
+    """When the folder was last written from another prepared dataset (01 was run again), delete
+    the files of rows past this dataset's end and forget the merged lists: they belong to rows
+    that no longer exist, which 04 would train on and 05 index past the end. Rows within range
+    are checked against their prepared row as on any resume. Returns the files deleted."""
+    if not (root / DATA_CONFIG).is_file():
+        return 0
+    previous = DataConfig.from_dict(read_json(root / DATA_CONFIG)).prepared_fingerprint
+    if previous == config.prepared_fingerprint:
+        return 0
+    stale = [path for i, path in _sample_file_names(root).items() if i >= num_rows]
+    for path in stale:
+        os.unlink(path)
+    (root / SAMPLE_LENGTHS).unlink(missing_ok=True)  # the merge starts from this run's manifests
+    return len(stale)
 
 
 def check_disk(root: Path, needed_bytes: int) -> None:

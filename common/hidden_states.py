@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from common.errors import PipelineError
-from common.extract_io import NUM_STATES, save_sample
+from common.extract_io import NUM_STATES, Journal, ids_digest, save_sample
 from common.state_storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
 from common.target import TargetError, TargetInfo, load_text_model
 
@@ -207,8 +207,11 @@ def _first_line(error: BaseException) -> str:
 class ExtractionRun:
     """Extracts the planned batches of one shard into `out`, skipping the indices in `done`."""
 
-    def __init__(self, extractor: StateExtractor, ds, out: Path, show_progress: bool = True) -> None:
+    def __init__(self, extractor: StateExtractor, ds, out: Path, show_progress: bool = True,
+                 journal: Journal | None = None) -> None:
         self.extractor = extractor
+        self.journal = journal  # told of every file once it is in place (the next resume reads it)
+        self.digests: dict[int, str] = {}  # ids digest of each sample being written
         self.rows = ds.select_columns(["sample_id", "input_ids", "loss_mask"])
         self.out = out
         self.show_progress = show_progress
@@ -233,6 +236,7 @@ class ExtractionRun:
                 # computes exactly what an uninterrupted one would.
                 for sample, states in self._extract(self._load(batch)):
                     if sample.index in todo:
+                        self.digests[sample.index] = ids_digest(sample.input_ids)
                         pending.append(pool.submit(_write, self.out, sample, states))
                 while len(pending) > MAX_PENDING_WRITES:
                     self._collect(pending.popleft())
@@ -293,6 +297,8 @@ class ExtractionRun:
         """Account for one finished write (in the main thread; a write error stops the run)."""
         index, tokens, file_bytes, state_bytes = future.result()
         self.stats.written[index] = tokens
+        if self.journal is not None:
+            self.journal.add(index, file_bytes, self.digests.pop(index))
         self.stats.file_bytes += file_bytes
         self.stats.state_bytes += state_bytes
 

@@ -25,6 +25,11 @@ with other arguments replaces the earlier choice. What it installs:
    compilation costs far more than it saves for a small draft (about 40 s per shape on two
    cores), so `compile_forward=False` restores the plain function; on GPU it stays compiled.
 
+5. The Trainer averages each step's metrics over ranks with `dist.reduce(op=ReduceOp.AVG)`,
+   which only NCCL implements: on gloo (torchrun on CPUs) it raises. The Trainer's module gets a
+   view of `torch.distributed` whose `reduce` does AVG as SUM divided by the world size where
+   the backend lacks it; everything else is `torch.distributed` itself.
+
 The Trainer's device (it calls `model.to(local_rank)`, an int meaning CUDA) is handled where
 the Trainer is configured: see `trainer_device`.
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from speculators.config import VerifierConfig
 from speculators.models.eagle3 import Eagle3DraftModel
@@ -61,6 +67,7 @@ def apply(*, trust_remote_code: bool = False, compile_forward: bool = True) -> N
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention_forward)
     library_trainer.SingleGPUCheckpointer = DeviceAgnosticCheckpointer
     Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
+    library_trainer.dist = AVERAGING_DIST
 
 
 def eager(function):
@@ -165,3 +172,23 @@ class DeviceAgnosticCheckpointer(ORIGINAL_CHECKPOINTER):
                                   float_dtype: torch.dtype | None = None) -> None:
         state = torch.load(self.optimizer_path(self.previous_epoch), weights_only=True, map_location="cpu")
         optimizer.load_state_dict(library_checkpointer.convert_float_dtype(state, float_dtype or model.dtype))
+
+
+# --- 5. metric averaging on gloo ---
+
+class _AveragingDistributed:
+    """`torch.distributed` with a `reduce` that also averages on backends without ReduceOp.AVG."""
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    @staticmethod
+    def reduce(tensor: torch.Tensor, dst: int, op=dist.ReduceOp.SUM, **kwargs):
+        if op == dist.ReduceOp.AVG and dist.get_backend() != "nccl":
+            work = dist.reduce(tensor, dst, op=dist.ReduceOp.SUM, **kwargs)
+            tensor.div_(dist.get_world_size())  # only the destination's value is read
+            return work
+        return dist.reduce(tensor, dst, op=op, **kwargs)
+
+
+AVERAGING_DIST = _AveragingDistributed()

@@ -8,8 +8,10 @@ auxiliary states, `MultipackDistributedBatchSamplerV2` packing samples into sequ
 made: the sampler gets the exact lengths of `sample_lengths.json` instead of the library's
 file-size estimate, and the folder is checked first for anything the dataset would misread.
 
-Training: the library's `Trainer`, subclassed only to make checkpoints atomic, to time each
-epoch and to report at its end. Its metric records (the `speculators.metrics` logger) go to a
+Training: the library's `Trainer`, subclassed to write checkpoints a resumed run continues from
+exactly (fp32 state, RNG, data position; atomic; step checkpoints; mid-epoch resume: see
+common/checkpoints.py), to time each epoch and to report at its end. The sampler is subclassed
+only to start a pass after the batches a step checkpoint already trained. Its metric records (the `speculators.metrics` logger) go to a
 JSON-lines log (`MetricsLog`), one line per training step and one per validation pass; the
 plot, the closing summary and `train_report.json` are all read back from that log, so a
 resumed run reports on the whole training.
@@ -17,12 +19,13 @@ resumed run reports on the whole training.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -39,11 +42,14 @@ from speculators.train.data import (
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators.train.noise_transforms import AddUniformNoise
 from speculators.train.trainer import Trainer, TrainerConfig
+from speculators.train.utils import apply_fully_sharded
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from common import patch
+from common import checkpoints, patch
 from common.atomic import TMP_PREFIX, atomic_path, read_json, remove_stale_temporaries, write_json
+from common.checkpoints import Position, ResumePoint
 from common.draft import (
     DraftConfigFile,
     DraftShape,
@@ -86,6 +92,7 @@ class TrainSettings:
     warmup_steps: int | None = None  # None: 1% of all steps (the library's default)
     num_workers: int = 0
     seed: int = 0
+    save_every: int = 0  # optimizer steps between step checkpoints; 0: epoch checkpoints only
 
     @classmethod
     def resolve(cls, file: DraftConfigFile, flags: dict[str, Any],
@@ -120,7 +127,8 @@ class TrainSettings:
                  # the library reads 0 as unset (`warmup or default`), so 0 cannot be honoured
                  (f"--warmup-steps {self.warmup_steps}", self.warmup_steps is None or self.warmup_steps >= 1,
                   "at least 1 (leave it unset for 1% of all steps)"),
-                 (f"--num-workers {self.num_workers}", self.num_workers >= 0, "0 or more")]
+                 (f"--num-workers {self.num_workers}", self.num_workers >= 0, "0 or more"),
+                 (f"--save-every {self.save_every}", self.save_every >= 0, "0 (off) or more")]
         for flag, ok, rule in rules:
             if not ok:
                 raise PipelineError(f"{flag}: must be {rule}")
@@ -246,18 +254,29 @@ def make_loader(data: HiddenStateData, files: list[Path], settings: TrainSetting
     # when the per-file overhead rivals the per-token bytes (small hidden sizes); 02 recorded the
     # exact lengths. One less: the dataset drops a position when it shifts inputs and targets.
     dataset.approx_lengths = [data.lengths[Path(f)] - 1 for f in files]
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=settings.total_seq_len,
-                                                 lengths=dataset.approx_lengths, num_replicas=world_size,
-                                                 rank=rank, seed=settings.seed)
+    sampler = ResumableBatchSampler(batch_max_length=settings.total_seq_len, lengths=dataset.approx_lengths,
+                                    num_replicas=world_size, rank=rank, seed=settings.seed)
     workers = settings.num_workers
     return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
                       collate_fn=create_collate_fn(settings.total_seq_len), persistent_workers=workers > 0,
                       prefetch_factor=8 if workers else None)
 
 
+class ResumableBatchSampler(MultipackDistributedBatchSamplerV2):
+    """The library's packing sampler, able to start its next pass after the first `skip`
+    batches of the epoch (a resumed run continuing mid-epoch), without loading them."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator:
+        batches, self.skip = itertools.islice(super().__iter__(), self.skip, None), 0
+        return batches
+
+
 def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: TrainSettings) -> dict:
     """The split as prepared-dataset rows (`data_{i}.pt` holds row i of 02's prepared input)."""
-    return {"prepared": data.config.prepared, "hidden_states": str(data.folder), "val_ratio": settings.val_ratio,
+    return {"prepared": data.config.prepared, "prepared_fingerprint": data.config.prepared_fingerprint,
+            "hidden_states": str(data.folder), "val_ratio": settings.val_ratio,
             "seed": settings.seed, "train_samples": len(train),
             "validation_rows": sorted(sample_index(f) for f in val)}
 
@@ -278,77 +297,179 @@ def checkpoint_epochs(folder: Path) -> list[int]:
 
 
 def prepare_checkpoints(folder: Path, resume: bool, config: Eagle3SpeculatorConfig, d2t: torch.Tensor,
-                        is_main: bool) -> int:
-    """The epoch to start at. With `resume`, the last checkpoint must come from the same draft
-    config and vocabulary. Without it, earlier checkpoints are moved aside, never deleted: the
-    library would overwrite them epoch by epoch and leave later ones to be taken for this run's."""
-    epochs = checkpoint_epochs(folder)
+                        is_main: bool) -> ResumePoint | None:
+    """The checkpoint to continue from (None: start at epoch 1). With `resume`, it must come from
+    the same draft config and vocabulary. Without it, earlier checkpoints are moved aside, never
+    deleted: the library would overwrite them epoch by epoch and leave later ones to be taken
+    for this run's."""
     if is_main and folder.is_dir():
         remove_stale_temporaries(folder)
-    if not epochs:
+    point = checkpoints.latest(folder)
+    if point is None:
         if resume and is_main:
             print(f"--resume: no checkpoint in {folder}; starting at epoch 1")
-        return 0
-    last = folder / str(epochs[-1])
+        return None
     if resume:
-        differ = config_differences(read_saved_config(last), config)
-        saved_d2t = saved_tensor(last, "d2t")
+        differ = config_differences(read_saved_config(point.folder), config)
+        saved_d2t = saved_tensor(point.folder, "d2t")
         if saved_d2t is None or not torch.equal(saved_d2t, d2t):
             differ.append("the vocabulary maps (d2t) differ")
         if differ:
-            raise PipelineError(f"checkpoint {last} was trained with another draft config: {'; '.join(differ)}; "
-                                "resume with the same config and vocabulary, or drop --resume to start over")
-        return epochs[-1] + 1
+            raise PipelineError(f"checkpoint {point.folder} was trained with another draft config: "
+                                f"{'; '.join(differ)}; resume with the same config and vocabulary, "
+                                "or drop --resume to start over")
+        return point
     if is_main:
         kept = folder.with_name(f"{folder.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
         folder.rename(kept)
-        print(f"starting over: the {len(epochs)} checkpoint(s) of an earlier run were moved to {kept} "
+        print(f"starting over: the checkpoints of an earlier run were moved to {kept} "
               "(pass --resume to continue a run instead; delete that folder when it is no longer needed)")
-    return 0
+    return None
 
 
 class ProjectTrainer(Trainer):
-    """speculators' Trainer with atomic checkpoints, a step count that continues the log's on
-    resume, and each epoch's start and end (after its checkpoint) reported to `progress`
-    (rank 0 only)."""
+    """speculators' Trainer with checkpoints from which a resumed run continues exactly as an
+    uninterrupted one would (fp32 state, RNG, data position: see common/checkpoints.py), each
+    written atomically; a step checkpoint every `save_every` optimizer steps; a resume in the
+    middle of an epoch; and each epoch's start and end (after its checkpoint) reported to
+    `progress` (rank 0 only)."""
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig, train_loader: DataLoader,
-                 val_loader: DataLoader | None, progress: MetricsLog | None) -> None:
-        super().__init__(model, config, train_loader, val_loader)
-        if progress is not None:
-            self.global_step = progress.next_step  # the library restarts at 0 on resume
+                 val_loader: DataLoader | None, progress: MetricsLog | None, resume: ResumePoint | None = None,
+                 save_every: int = 0) -> None:
+        self.resume = resume  # read by setup_trainer, which the library's constructor calls
+        self.rank = dist.get_rank() if config.is_distributed else 0
+        # The library's own resume knows only epoch checkpoints: it is turned off and the resume
+        # point is loaded below, through the library's checkpointer all the same.
+        super().__init__(model, config._replace(resume_from_checkpoint=False), train_loader, val_loader)
+        if resume is not None:
+            self.load_resume_point(resume)
         self.progress = progress
+        self.save_every = save_every
         self.train_seconds = 0.0
 
+    def setup_trainer(self) -> None:
+        """The epoch and step to start at (the library's version looks at epoch folders only)."""
+        point = self.resume
+        self.current_epoch = point.epoch if point is not None else 0
+        if point is not None and point.position is not None:
+            self.global_step = point.position.global_step
+        else:  # an epoch checkpoint of an earlier version: whole epochs were trained
+            self.global_step = self.current_epoch * len(self.train_loader)
+
+    def setup_model(self) -> None:
+        """Single process: the library's. Under torchrun the library shards the draft (moving its
+        layers to the meta device), then re-creates the layers on the hard-coded "cuda" and calls
+        `reset_parameters` where a module has one, so the layers start from other weights than
+        the draft built (and the RMS norms, which have no such method, from uninitialised
+        memory). Here the layers are re-created on this rank's device and the draft's own initial
+        weights loaded back from rank 0: a torchrun run starts where a single-process one does."""
+        if not self.is_distributed:
+            super().setup_model()
+            return
+        initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        apply_fully_sharded(self.model)
+        for layer in self.model.layers:
+            layer.to_empty(device=self.local_rank)
+        set_model_state_dict(self.model, initial, options=StateDictOptions(full_state_dict=True,
+                                                                            broadcast_from_rank0=True, strict=False))
+
+    def load_resume_point(self, point: ResumePoint) -> None:
+        """Weights, optimizer and scheduler of `point`, read by the library's checkpointer class
+        (single-process or FSDP) pointed at that folder. The RNG is restored where the epoch's
+        batches start (`epoch_batches`)."""
+        reader = type(self.checkpointer)(point.folder.parent)
+        reader.previous_epoch = int(point.folder.name)  # the library's name for "the folder to load"
+        reader.load_model_state_dict(self.model)
+        reader.load_optimizer_state_dict(self.model, self.opt)
+        if self.scheduler is not None:
+            reader.load_scheduler_state_dict(self.scheduler)
+
     def train_epoch(self, epoch: int) -> None:
+        """The library's epoch, iterating `EpochBatches` instead of the loader itself."""
+        skip = self.resume.skip_batches if self.resume is not None and self.resume.epoch == epoch else 0
         if self.progress is not None:
-            self.progress.epoch_start(epoch)
+            self.progress.epoch_start(epoch, skip)
         start = time.perf_counter()
-        super().train_epoch(epoch)
+        loader = self.train_loader
+        self.train_loader = EpochBatches(self, loader, epoch)
+        try:
+            super().train_epoch(epoch)
+        finally:
+            self.train_loader = loader
         self.train_seconds = time.perf_counter() - start
 
+    def epoch_batches(self, loader: DataLoader, epoch: int) -> Iterator[dict]:
+        """The epoch's batches, after those a resumed step checkpoint already trained, with a step
+        checkpoint every `save_every` steps. The library runs one whole step (forward, backward,
+        optimizer, scheduler, metric record, step count) between taking one batch and asking for
+        the next, so the state saved when it asks holds finished steps only."""
+        point, self.resume = self.resume, None
+        skip = point.skip_batches if point is not None and point.epoch == epoch else 0
+        loader.batch_sampler.skip = skip
+        restore = point is not None and point.position is not None
+        if restore and not skip:  # an epoch checkpoint: the RNG as it was when the epoch began
+            checkpoints.restore_rng(point.folder, self.rank)
+        batches = iter(loader)
+        if restore and skip:  # iter() drew the workers' seed; the uninterrupted run had drawn it too
+            checkpoints.restore_rng(point.folder, self.rank)
+        done, total = skip, len(loader)
+        for batch in batches:
+            yield batch
+            done += 1
+            if self.save_every and self.global_step % self.save_every == 0 and done < total:
+                self.save_step_checkpoint(epoch, done)
+
     def save_checkpoint(self, epoch: int) -> None:
-        """The library writes `<epoch>/` file by file (weights, optimizer, scheduler); a run killed
-        in between would leave a checkpoint that `--resume` trusts. Write it under a staging
-        name, then rename it into place."""
-        root = self.checkpointer.path
-        self.checkpointer.path = root / STAGING
-        try:
-            super().save_checkpoint(epoch)
-        finally:
-            self.checkpointer.path = root
-        if self.is_distributed:
-            dist.barrier()  # every rank has written its part of the staging folder
-        if not self.is_distributed or dist.get_rank() == 0:
-            final = root / str(epoch)
-            if final.exists():
-                shutil.rmtree(final)
-            (root / STAGING / str(epoch)).replace(final)
-            shutil.rmtree(root / STAGING, ignore_errors=True)
-        if self.is_distributed:
-            dist.barrier()
+        self.save_staged(self.checkpointer.path, Position(epoch, len(self.train_loader), self.global_step, True))
         if self.progress is not None:
             self.progress.epoch_done(epoch, self.train_seconds)
+
+    def save_step_checkpoint(self, epoch: int, batches_done: int) -> None:
+        root = self.checkpointer.path
+        self.save_staged(root / checkpoints.STEPS, Position(epoch, batches_done, self.global_step, False))
+        if self.rank == 0:
+            checkpoints.prune_steps(root)
+
+    def save_staged(self, root: Path, position: Position) -> None:
+        """Write `root/<epoch or step>/`. The library writes a checkpoint file by file; a run killed
+        in between would leave one that `--resume` trusts, so it is written under a staging name,
+        then renamed into place. The RNG is captured first: the uninterrupted run continues from
+        the state saved."""
+        name = str(position.epoch if position.epoch_complete else position.global_step)
+        staging = root / STAGING
+        (staging / name).mkdir(parents=True, exist_ok=True)
+        checkpoints.write_state(staging / name, position, self.rank)
+        saved_path, self.checkpointer.path = self.checkpointer.path, staging
+        try:
+            self.checkpointer.save_checkpoint(self.model, self.opt, name, float_dtype=torch.float32)
+            if self.scheduler is not None:
+                self.checkpointer.save_scheduler_state_dict(self.scheduler, name)
+        finally:
+            self.checkpointer.path = saved_path
+        if self.is_distributed:
+            dist.barrier()  # every rank has written its part of the staging folder
+        if self.rank == 0:
+            final = root / name
+            if final.exists():
+                shutil.rmtree(final)
+            (staging / name).replace(final)
+            shutil.rmtree(staging, ignore_errors=True)
+        if self.is_distributed:
+            dist.barrier()
+
+
+class EpochBatches:
+    """What the library's `train_epoch` iterates in place of the training loader: it reads only
+    `batch_sampler` (to set the epoch) and iterates; the batches come from
+    `ProjectTrainer.epoch_batches`."""
+
+    def __init__(self, trainer: ProjectTrainer, loader: DataLoader, epoch: int) -> None:
+        self.trainer, self.loader, self.epoch = trainer, loader, epoch
+        self.batch_sampler = loader.batch_sampler
+
+    def __iter__(self) -> Iterator[dict]:
+        return self.trainer.epoch_batches(self.loader, self.epoch)
 
 
 def trainer_config(settings: TrainSettings, checkpoints: Path, resume: bool, distributed: bool,
@@ -382,14 +503,21 @@ class MetricsLog(logging.Handler):
     progress bar per epoch. On a resumed run the records of the epochs being redone are dropped
     first, so the log reads as one uninterrupted training."""
 
-    def __init__(self, path: Path, start_epoch: int, epochs: int, steps_per_epoch: int, tokens_per_epoch: int) -> None:
+    def __init__(self, path: Path, start_epoch: int, epochs: int, steps_per_epoch: int, tokens_per_epoch: int,
+                 start_step: int | None = None) -> None:
+        """`start_step`: the global step a mid-epoch resume continues at (steps of `start_epoch`
+        before it are kept)."""
         super().__init__(logging.INFO)
         self.path = path
         self.epochs = epochs
         self.steps_per_epoch = steps_per_epoch
         self.tokens_per_epoch = tokens_per_epoch
-        kept = [r for r in read_log(path) if r.get("epoch", 0) < start_epoch]
+        kept = [r for r in read_log(path) if r.get("epoch", 0) < start_epoch
+                or (start_step is not None and r.get("epoch") == start_epoch and "train" in r
+                    and r["step"] < start_step)]
         self.next_step = max((r["step"] + 1 for r in kept if "train" in r), default=0)
+        # the losses of a resumed epoch's steps before the resume, for its closing line
+        self.resumed_losses = [r["train"]["loss"] for r in kept if "train" in r and r.get("epoch") == start_epoch]
         with atomic_path(path) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         self.file = path.open("a", encoding="utf-8")
@@ -410,9 +538,10 @@ class MetricsLog(logging.Handler):
         elif "val" in record.msg:
             self.last_val = strip_epoch_suffix(record.msg["val"])
 
-    def epoch_start(self, epoch: int) -> None:
-        self.bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
-        self.train_losses, self.last_val = [], None
+    def epoch_start(self, epoch: int, done: int = 0) -> None:
+        """`done`: steps of the epoch trained before a resume."""
+        self.bar = tqdm(total=self.steps_per_epoch, initial=done, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
+        self.train_losses, self.last_val = (self.resumed_losses if done else []), None
 
     def epoch_done(self, epoch: int, train_seconds: float) -> None:
         """One fixed-format line per epoch, and a fresh plot."""

@@ -21,7 +21,8 @@ from datasets import Dataset
 from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
 from common.errors import PipelineError
-from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, list_sample_files, sample_path
+from common import extract_io
+from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, DataConfig, list_sample_files, sample_path, save_sample
 from common.fixtures import REPO_ROOT
 from common.hidden_states import (
     StateExtractor,
@@ -261,6 +262,52 @@ def test_resume_after_sigkill_gives_the_uninterrupted_files(extracted, kimi_targ
     assert_same_files(out, reference)
     assert not [p for p in out.rglob(".tmp-*")]
     assert (out / SAMPLE_LENGTHS).read_text() == (reference / SAMPLE_LENGTHS).read_text()
+
+
+def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatch):
+    """Journaled files with their recorded size and ids are kept unopened; a file cut short, a
+    file of other ids, and a file the journal never heard of are loaded and checked."""
+    hidden = 8
+    rows = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    ds = Dataset.from_dict({"input_ids": rows})
+    journal = extract_io.Journal(extract_io.journal_path(tmp_path, 0, 1))
+    for i, ids in enumerate(rows):
+        n = len(ids)
+        size = save_sample(tmp_path, i, torch.tensor(ids), [torch.zeros(n, hidden, dtype=torch.bfloat16)] * 4,
+                           torch.ones(n, dtype=torch.long))
+        if i != 3:  # row 3: killed between its file and its journal line
+            journal.add(i, size, extract_io.ids_digest(ids))
+    journal.file.write("4 12")  # a line cut short by the kill
+    journal.close()
+    truncated = sample_path(tmp_path, 1)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    changed = ds.map(lambda r, i: {"input_ids": [99] * len(r["input_ids"]) if i == 2 else r["input_ids"]},
+                     with_indices=True)  # row 2 re-prepared with other ids
+
+    loaded = []
+    original = extract_io.is_valid_sample
+    monkeypatch.setattr(extract_io, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
+    done, redo = extract_io.find_done(tmp_path, changed, set(range(len(rows))), hidden)
+    assert done == {0, 3, 4} and redo == 2
+    assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
+    assert not sample_path(tmp_path, 1).exists() and not sample_path(tmp_path, 2).exists()
+
+
+def test_rows_of_an_earlier_prepared_dataset_are_removed(flat_target, tmp_path, capsys):
+    """01 run again with fewer rows into the same run folder: 02 keeps no file past the new end,
+    and the merged lists name only the new rows."""
+    prepared, out = tmp_path / "prepared", tmp_path / "hs"
+    write_prepared(prepared, flat_target, 10, seed=1)
+    load_script().main(extract_args(prepared, flat_target, out))
+    first = DataConfig.load(out).prepared_fingerprint
+    assert len(list_sample_files(out)) == 10 and first
+    shutil.rmtree(prepared)
+    write_prepared(prepared, flat_target, 6, seed=2)
+    load_script().main(extract_args(prepared, flat_target, out))
+    assert "removed 4 files of rows past its end" in capsys.readouterr().out
+    assert sorted(list_sample_files(out)) == list(range(6))
+    assert sorted(json.loads((out / SAMPLE_LENGTHS).read_text())) == [str(i) for i in range(6)]
+    assert DataConfig.load(out).prepared_fingerprint not in ("", first)
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import random
 import shutil
 import signal
 import subprocess
@@ -17,11 +19,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
-from common import patch
+from common import checkpoints, patch
 from common.draft import (
     KIMI_CONFIG,
     TINY_CONFIG,
@@ -51,6 +54,7 @@ from conftest import run_script
 SCRIPT = "04_train.py"
 SEQ = 512  # --total-seq-len of the test runs: short sequences, many optimizer steps
 DRAFT_VOCAB = 1024
+LOG = "train_log.jsonl"
 EPOCHS = 2
 
 
@@ -397,6 +401,146 @@ def test_fp8_folder_with_bf16_files_is_refused(tmp_path, kimi_target):
     (data_dir / "data_config.json").write_text(json.dumps(config | {"storage": "fp8", "dtype": "float8_e4m3fn"}))
     with pytest.raises(PipelineError, match="expected 4 float8_e4m3fn states of hidden size 64 with their scales"):
         load_hidden_states(data_dir)
+
+
+# --- resuming mid-epoch equals an uninterrupted run --------------------------------------------
+
+
+def kill_after_step_checkpoint(cmd: list[str | Path], steps: Path, timeout: float = 600) -> None:
+    """Start `cmd` (04, or torchrun running it), SIGKILL it and every process it started as soon
+    as a step checkpoint is in place (a file, not a timer)."""
+    proc = subprocess.Popen([*map(str, cmd)], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + timeout
+    while not checkpoints.numbered(steps) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in [*descendants(proc.pid), proc.pid]:  # torchrun's ranks would otherwise train on
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "04 ended on its own before it was killed"
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory, flat_target) -> Path:
+    """Hidden states and vocabulary of the flat target: 64 training samples, 32 steps per epoch."""
+    folder = tmp_path_factory.mktemp("small04")
+    write_hidden_states(folder / "hs", flat_target, num_samples=80)
+    write_vocab_folder(folder / "vocab", load_target_info(flat_target).vocab_size)
+    return folder
+
+
+def small_args(data: Path, target: Path, out: str, *extra: str) -> list[str | Path]:
+    return ["--target", target, "--draft-config", TINY_CONFIG, "--data", data / "hs", "--vocab", data / "vocab",
+            "--output", data / out, "--total-seq-len", "128", "--val-ratio", "0.2", "--noise-std", "0.05",
+            "--save-every", "5", *extra]
+
+
+def assert_same_training(data: Path, whole: str, resumed: str, last_epoch: int) -> None:
+    """Bitwise-equal exported draft and fp32 last checkpoint, and the same log step by step."""
+    for name in ("draft/model.safetensors", f"checkpoints/{last_epoch}/model.safetensors"):
+        assert sha256(data / whole / name) == sha256(data / resumed / name), name
+    with safe_open(data / resumed / "draft" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # the export stays bf16
+    with safe_open(data / resumed / "checkpoints" / str(last_epoch) / "model.safetensors", "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32
+    assert read_log(data / whole / LOG) == read_log(data / resumed / LOG)
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target):
+    """Bitwise on CPU: same batches, fp32 weights and AdamW moments, the noise RNG restored."""
+    run_script(SCRIPT, *small_args(small_data, flat_target, "whole", "--epochs", "2"))
+    script = [sys.executable, REPO_ROOT / SCRIPT]
+    kill_after_step_checkpoint([*script, *small_args(small_data, flat_target, "killed", "--epochs", "2")],
+                               small_data / "killed" / "checkpoints" / "steps")
+    point = checkpoints.latest(small_data / "killed" / "checkpoints")
+    assert point.skip_batches > 0 and point.epoch == 0  # killed in the middle of epoch 1
+    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, "killed", "--epochs", "2", "--resume")).stdout
+    assert "resuming after step checkpoint" in resumed
+    assert_same_training(small_data, "whole", "killed", last_epoch=1)
+    kept = checkpoints.numbered(small_data / "whole" / "checkpoints" / "steps")
+    assert kept == [55, 60]  # the last two of every 5th step, the epoch ends (32, 64) excepted
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
+    """The library's distributed path on gloo: FSDP sharding, its distributed checkpointer behind
+    our staging, the packing sampler over 2 ranks; killed mid-epoch, resumed, bitwise equal."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                REPO_ROOT / SCRIPT]
+    whole = subprocess.run([*map(str, torchrun), *map(str, small_args(small_data, flat_target, "ranks2", "--epochs",
+                                                                       "1"))],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "x 2 rank(s)" in whole.stdout
+    kill_after_step_checkpoint([*torchrun, *small_args(small_data, flat_target, "ranks2_killed", "--epochs", "1")],
+                               small_data / "ranks2_killed" / "checkpoints" / "steps")
+    assert checkpoints.latest(small_data / "ranks2_killed" / "checkpoints").skip_batches > 0
+    resumed = subprocess.run([*map(str, torchrun), *map(str, small_args(small_data, flat_target, "ranks2_killed",
+                                                                         "--epochs", "1", "--resume"))],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming after step checkpoint" in resumed.stdout
+    assert_same_training(small_data, "ranks2", "ranks2_killed", last_epoch=0)
+    for rank in (0, 1):  # every rank's generators were saved
+        assert (small_data / "ranks2_killed" / "checkpoints" / "0" / checkpoints.rng_file(rank)).is_file()
+
+
+def write_position(folder: Path, position: checkpoints.Position) -> Path:
+    folder.mkdir(parents=True)
+    checkpoints.write_state(folder, position, rank=0)
+    return folder
+
+
+def test_latest_checkpoint_is_the_furthest_step(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert checkpoints.latest(root) is None
+    write_position(root / "0", checkpoints.Position(0, 32, 32, True))
+    write_position(root / "steps" / "30", checkpoints.Position(0, 30, 30, False))
+    point = checkpoints.latest(root)
+    assert (point.folder.name, point.epoch, point.skip_batches) == ("0", 1, 0)  # the later epoch end wins
+    write_position(root / "steps" / "40", checkpoints.Position(1, 8, 40, False))
+    point = checkpoints.latest(root)
+    assert (point.folder.name, point.epoch, point.skip_batches) == ("40", 1, 8)
+    (root / "1").mkdir()  # an epoch checkpoint of an earlier version: no position, continue after it
+    assert checkpoints.latest(root).folder.name == "40"  # unknown step loses to a known one
+    write_position(root / "steps" / "45", checkpoints.Position(1, 13, 45, False))
+    checkpoints.prune_steps(root, keep=2)
+    assert checkpoints.numbered(root / "steps") == [40, 45]
+
+
+def test_rng_state_round_trip(tmp_path):
+    write_position(tmp_path / "c", checkpoints.Position(0, 1, 1, False))
+    expected = torch.rand(3), random.random(), np.random.rand()
+    torch.rand(5), random.random(), np.random.rand()  # move every generator on
+    assert checkpoints.restore_rng(tmp_path / "c", rank=0)
+    assert (torch.equal(torch.rand(3), expected[0]), random.random(), np.random.rand()) == (True, *expected[1:])
+    assert not checkpoints.restore_rng(tmp_path / "c", rank=1)
+
+
+def test_hidden_states_and_vocabulary_of_different_prepared_runs_are_refused(tmp_path, flat_target):
+    write_hidden_states(tmp_path / "hs", flat_target, num_samples=4)
+    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target).vocab_size)
+    for path, fingerprint in ((tmp_path / "hs" / "data_config.json", "1" * 16),
+                              (tmp_path / "vocab" / "vocab_report.json", "2" * 16)):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "prepared_fingerprint": fingerprint}))
+    with pytest.raises(PipelineError, match=r"hidden states .*hs and vocabulary .*vocab come from different runs "
+                                            r"of 01_prepare_data\.py \(prepared fingerprints 1{16} and 2{16}\)"):
+        train_in_process("--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
+                         "--vocab", tmp_path / "vocab", "--output", tmp_path / "out", "--epochs", "1")
 
 
 # --- bad input -------------------------------------------------------------------------------

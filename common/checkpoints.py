@@ -1,0 +1,146 @@
+"""Step 04's checkpoints, made so that a resumed run equals an uninterrupted one.
+
+speculators 0.3.0's checkpointer writes `<epoch>/` with the weights and AdamW state in bf16 and
+nothing else, and its Trainer resumes at the next epoch. Rounding the fp32 weights and moments
+to bf16 changes the training (AdamW's step count, a float tensor, even stops being exact past
+256), and a kill late in an epoch loses the whole epoch. Here every checkpoint holds:
+
+    model.safetensors, optimizer_state_dict.pt   the library's files, written in fp32
+    scheduler_state_dict.pt                      the library's file
+    trainer_state.json                           where the run stood (epoch, batches done, step)
+    rng_state_<rank>.pt                          each rank's torch / CUDA / Python / NumPy RNG
+
+Epoch checkpoints stay where the library puts them (`checkpoints/<epoch>/`); step checkpoints
+(`--save-every N`) go to `checkpoints/steps/<global step>/`, a folder whose name is not an int,
+so the library never takes it for an epoch. The last `KEEP_STEP_CHECKPOINTS` step checkpoints
+are kept, every epoch checkpoint is. `latest` finds where to continue: the checkpoint with the
+highest global step (an epoch checkpoint wins a tie, its validation pass is done).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.atomic import read_json, write_json
+
+STEPS = "steps"  # sub-folder of the checkpoints folder holding the step checkpoints
+STATE_FILE = "trainer_state.json"
+STATE_FORMAT = 1
+KEEP_STEP_CHECKPOINTS = 2
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_state_{rank}.pt"
+
+
+@dataclass
+class Position:
+    """Where training stood when a checkpoint was written."""
+
+    epoch: int  # the epoch being trained (0-based)
+    batches_done: int  # batches of that epoch already trained (all of them in an epoch checkpoint)
+    global_step: int  # optimizer steps taken since the start of the run (the next step's number)
+    epoch_complete: bool  # an epoch checkpoint: training and validation of `epoch` are done
+
+
+@dataclass
+class ResumePoint:
+    """A checkpoint to continue from, and what to do first."""
+
+    folder: Path
+    position: Position | None  # None: a checkpoint of an earlier version (epoch only, no RNG)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to continue in."""
+        if self.position is None:
+            return int(self.folder.name) + 1
+        return self.position.epoch + (1 if self.position.epoch_complete else 0)
+
+    @property
+    def skip_batches(self) -> int:
+        """Batches of `epoch` already trained."""
+        return 0 if self.position is None or self.position.epoch_complete else self.position.batches_done
+
+    def describe(self, epochs: int) -> str:
+        if self.skip_batches:
+            return (f"step checkpoint {self.folder} (step {self.position.global_step:,}): "
+                    f"epoch {self.epoch + 1} of {epochs}, after batch {self.skip_batches:,}")
+        return f"checkpoint {self.folder}: epoch {self.epoch + 1} of {epochs}"
+
+
+def write_state(folder: Path, position: Position, rank: int) -> None:
+    """This rank's RNG state, and (rank 0) the position, into a checkpoint folder being written."""
+    torch.save(capture_rng(), folder / rng_file(rank))
+    if rank == 0:
+        write_json(folder / STATE_FILE, {"format": STATE_FORMAT, **asdict(position)})
+
+
+def read_position(folder: Path) -> Position | None:
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return None
+    data = read_json(path)
+    data.pop("format", None)
+    return Position(**data)
+
+
+def capture_rng() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng(folder: Path, rank: int) -> bool:
+    """Put this rank's generators back as the checkpoint recorded them; False if it has none."""
+    path = folder / rng_file(rank)
+    if not path.is_file():
+        return False
+    state = torch.load(path, weights_only=False)  # Python's and NumPy's states are tuples, not tensors
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    return True
+
+
+def numbered(folder: Path) -> list[int]:
+    """The int-named sub-folders of `folder`, ascending (epochs, or global steps under `steps/`)."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def step_folder(root: Path, global_step: int) -> Path:
+    return root / STEPS / str(global_step)
+
+
+def latest(root: Path) -> ResumePoint | None:
+    """The checkpoint a resumed run continues from: the last epoch checkpoint, unless a step
+    checkpoint of a later step exists."""
+    candidates: list[tuple[int, int, ResumePoint]] = []
+    epochs = numbered(root)
+    if epochs:
+        folder = root / str(epochs[-1])
+        position = read_position(folder)
+        step = position.global_step if position else -1
+        candidates.append((step, 1, ResumePoint(folder, position)))
+    steps = numbered(root / STEPS)
+    if steps:
+        folder = step_folder(root, steps[-1])
+        position = read_position(folder)
+        if position is not None:
+            candidates.append((position.global_step, 0, ResumePoint(folder, position)))
+    return max(candidates, key=lambda c: c[:2])[2] if candidates else None
+
+
+def prune_steps(root: Path, keep: int = KEEP_STEP_CHECKPOINTS) -> None:
+    """Delete all but the last `keep` step checkpoints."""
+    for step in numbered(root / STEPS)[:-keep]:
+        shutil.rmtree(step_folder(root, step), ignore_errors=True)

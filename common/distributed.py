@@ -1,0 +1,33 @@
+"""Starting and ending a `torchrun` job of step 04 on GPUs (NCCL) or on CPUs (gloo).
+
+speculators 0.3.0's `maybe_setup_distributed` calls `torch.accelerator.set_device_index`, which
+raises "Cannot access accelerator device when none is available" on a machine without GPUs, so
+its distributed path cannot even start on CPU. With an accelerator we call the library's function
+unchanged; without one we start the same process group on gloo, the backend torch uses for CPU
+tensors. Everything after that (FSDP sharding, the distributed checkpointer, the packing sampler
+over ranks) is the library's own path on either backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from speculators.train.utils import maybe_destroy_distributed, maybe_setup_distributed
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ  # the library's own test
+
+
+def setup_distributed() -> tuple[int, int, int, bool]:
+    """(local rank, world size, rank, distributed), as the library's `maybe_setup_distributed`."""
+    if not under_torchrun() or torch.accelerator.is_available():
+        return maybe_setup_distributed()
+    dist.init_process_group("gloo")
+    return int(os.environ["LOCAL_RANK"]), dist.get_world_size(), dist.get_rank(), True
+
+
+def teardown_distributed() -> None:
+    maybe_destroy_distributed()
