@@ -38,17 +38,20 @@ from common.evaluate import (
     gap_notes,
     held_out,
     measure_draft,
-    measure_greedy,
+    measure_ngram,
+    measure_plain,
+    no_speculation,
     offline_metrics,
     select_prompts,
     summary_table,
     training_seq_len,
+    untrained_draft,
     write_report,
 )
 from common.hidden_states import load_target_model
 from common.prepare import load_tokenizer
 from common.prepared import check_prepared_target, load_prepared
-from common.speculative import stop_token_ids
+from common.speculative import SamplingParams, stop_token_ids
 from common.target import load_target_info
 from common.training import load_hidden_states
 
@@ -75,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="draft tokens proposed per verification pass (default: %(default)s)")
     decoding.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
     decoding.add_argument("--max-prompts", type=int, default=10, help="held-out prompts (default: %(default)s)")
+    decoding.add_argument("--temperature", type=float, default=0.0,
+                          help="0: greedy, checked identical to plain greedy decoding (default); > 0: speculative "
+                               "sampling (Kimi-K2.5 is served at 1.0 thinking, 0.6 instant)")
+    decoding.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
+    decoding.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    decoding.add_argument("--no-baselines", action="store_true",
+                          help="skip the n-gram and untrained-draft baselines")
     decoding.add_argument("--offline-only", action="store_true", help="skip speculative decoding")
     model = parser.add_argument_group("model placement")
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -87,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("num_speculative_tokens", "max_new_tokens", "max_prompts", "max_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise PipelineError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if not 0.0 <= args.temperature <= 100.0:
+        raise PipelineError(f"--temperature {args.temperature}: must be in [0, 100] (0 is greedy)")
+    if not 0.0 < args.top_p <= 1.0:
+        raise PipelineError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.top_p < 1.0 and args.temperature == 0.0:
+        raise PipelineError(f"--top-p {args.top_p} needs --temperature > 0 (greedy ignores it)")
     return args
 
 
@@ -135,20 +151,32 @@ def main(argv: list[str] | None = None) -> int:
                                                  device)
         reports.append((report, draft))
 
-    # 4. measured: plain greedy once, then speculative decoding with each draft
+    # 4. measured: plain decoding once, then speculative decoding with each draft and baseline
+    sampling = SamplingParams(args.temperature, args.top_p)
+    baselines: dict[str, DraftReport] = {}
+    plain = None
     if not args.offline_only:
         model = load_target_model(info, dtype, str(device), args.device_map)
         stop_ids = stop_token_ids(info.path, info.text_config)
+        mode = "greedy" if sampling.greedy else f"sampling at temperature {args.temperature}, top-p {args.top_p}"
         print(f"decoding {len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a "
-              f"prompt skipped), up to {args.max_new_tokens} new tokens each, stop ids {sorted(stop_ids)}")
-        greedy = measure_greedy(model, prompts, args.max_new_tokens, stop_ids)
+              f"prompt skipped), up to {args.max_new_tokens} new tokens each, {mode}, stop ids {sorted(stop_ids)}")
+        run = dict(k=k, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, sampling=sampling, seed=args.seed)
+        plain = measure_plain(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed)
         for report, draft in reports:
-            report.measured = measure_draft(model, draft.to(dtype), prompts, greedy, k, args.max_new_tokens,
-                                            stop_ids, desc=report.name)
+            report.measured = measure_draft(model, draft.to(dtype), prompts, plain, desc=report.name, **run)
+        if not args.no_baselines:
+            baselines["ngram"] = DraftReport("n-gram", "prompt lookup, n 3..1",
+                                             measure_ngram(model, prompts, plain, **run))
+            untrained = untrained_draft(reports[0][1])
+            baselines["untrained"] = DraftReport("untrained", "draft at its initial weights",
+                                                 measure_draft(model, untrained, prompts, plain, desc="untrained",
+                                                               **run))
+        baselines["none"] = DraftReport("no speculation", "target alone", no_speculation(plain, k))
 
     # 5. summary: the side-by-side table, one output text, the JSON
     drafts = [report for report, _ in reports]
-    print(summary_table(drafts, k))
+    print(summary_table(drafts + list(baselines.values()), k, plain))
     tokenizer = load_tokenizer(Path(info.path), trust_remote_code)
     decode = tokenizer.decode
     if drafts[0].measured is not None:
@@ -161,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     if args.json is not None:
         settings = {"target": info.path, "num_speculative_tokens": k, "max_new_tokens": args.max_new_tokens,
-                    "prompts": len(prompts), "held_out": split.rule, "dtype": str(dtype).removeprefix("torch.")}
-        write_report(args.json, drafts, prompts, decode, settings)
+                    "prompts": len(prompts), "held_out": split.rule, "dtype": str(dtype).removeprefix("torch."),
+                    "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+        write_report(args.json, drafts, prompts, decode, settings, baselines)
         print(f"wrote {args.json}")
     return 0
 
