@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             baselines["untrained"] = DraftReport("untrained", "draft at its initial weights",
                                                  measure_draft(model, untrained, prompts, plain, desc="untrained",
                                                                **run))
-        baselines["none"] = DraftReport("no speculation", "target alone", no_speculation(plain, k))
+        baselines["none"] = DraftReport("no speculation", "target alone", no_speculation(plain, k, sampling.greedy))
 
     # 5. summary: the side-by-side table, one output text, the JSON
     drafts = [report for report, _ in reports]

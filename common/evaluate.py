@@ -347,13 +347,14 @@ class DraftReport:
         return out
 
 
-def no_speculation(plain: list[Generation], k: int) -> MeasuredResult:
-    """Plain decoding as a row of the table: one token per target pass (acceptance length 1)."""
+def no_speculation(plain: list[Generation], k: int, greedy: bool = True) -> MeasuredResult:
+    """Plain decoding as a column of the table: one token per target pass (acceptance length 1)."""
     stats = SpeculativeStats(k)
     for g in plain:  # the prefill pass emits the first token and is not counted, as for the drafts
         stats.add(Generation(g.prompt_len, g.tokens, accepted=[0] * max(0, len(g.tokens) - 1)))
     seconds = sum(g.seconds for g in plain)
-    return MeasuredResult(k=k, stats=stats, generations=plain, seconds=seconds, greedy_seconds=seconds)
+    return MeasuredResult(k=k, stats=stats, generations=plain, seconds=seconds, greedy_seconds=seconds,
+                          compared=greedy)
 
 
 def _finite(x: float) -> float | None:
