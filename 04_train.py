@@ -53,6 +53,7 @@ from common.training import (
     ProjectTrainer,
     TrainReport,
     TrainSettings,
+    best_validation,
     check_data_fits,
     checkpoint_epochs,
     epoch_tokens,
@@ -183,13 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     if not is_main:
         return 0
 
-    # 6. export the last checkpoint as the draft
+    # 6. export the best checkpoint by validation simulated acceptance length (the last without validation)
     epochs = checkpoint_epochs(output / CHECKPOINTS)
-    draft_dir = export_draft(output / CHECKPOINTS / str(epochs[-1]), config, output / DRAFT,
+    records = read_log(output / LOG_FILE)
+    best = best_validation(records, epochs)
+    chosen = best.epoch if best else epochs[-1]
+    because = ("best validation simulated acceptance length" if best
+               else "last checkpoint (no validation pass: --val-ratio 0)")
+    draft_dir = export_draft(output / CHECKPOINTS / str(chosen), config, output / DRAFT,
                              {SPLIT_FILE: split_record(data, train_files, val_files, settings)})
+    print(f"exported checkpoint {output / CHECKPOINTS / str(chosen)} ({because}"
+          + (f": {best.acceptance_length:.3f} after epoch {best.epoch + 1})" if best else ")"))
 
     # 7. summary
-    records = read_log(output / LOG_FILE)
     validation = last_validation(records)
     for line in validation.lines() if validation else ["no validation pass (--val-ratio 0)"]:
         print(line)
@@ -200,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_second=tokens / trainer.train_seconds if trainer.train_seconds else 0.0,
         checkpoints=[str(output / CHECKPOINTS / str(e)) for e in epochs], draft=str(draft_dir),
         log=str(output / LOG_FILE), plot=str(output / PLOT_FILE),
-        validation=vars(validation) if validation else None, overrides=overrides)
+        validation=vars(validation) if validation else None, overrides=overrides,
+        exported_checkpoint=str(output / CHECKPOINTS / str(chosen)), exported_because=because,
+        best_validation=vars(best) if best else None)
     report_path = report.save(output)
     print(f"trained epochs {start_epoch + 1}-{settings.epochs} of {settings.epochs} on {len(train_files):,} samples "
           f"({tokens:,} tokens per epoch, {report.tokens_per_second:,.0f} tok/s in the last epoch)"

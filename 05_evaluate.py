@@ -41,17 +41,20 @@ from common.evaluate import (
     gap_notes,
     held_out,
     measure_draft,
-    measure_greedy,
+    measure_ngram,
+    measure_plain,
+    no_speculation,
     offline_metrics,
     select_prompts,
     summary_table,
     training_seq_len,
+    untrained_draft,
     write_report,
 )
 from common.hidden_states import load_target_model
 from common.prepare import load_tokenizer
 from common.prepared import check_prepared_target, load_prepared
-from common.speculative import stop_token_ids
+from common.speculative import SamplingParams, stop_token_ids
 from common.target import load_target_info
 from common.training import load_hidden_states
 from common.vllm_engine import EngineSettings, add_engine_args, check_vllm_python, engine_table, measure_with_vllm
@@ -79,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="draft tokens proposed per verification pass (default: %(default)s)")
     decoding.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
     decoding.add_argument("--max-prompts", type=int, default=10, help="held-out prompts (default: %(default)s)")
+    decoding.add_argument("--temperature", type=float, default=0.0,
+                          help="0: greedy, checked identical to plain greedy decoding (default); > 0: speculative "
+                               "sampling (Kimi-K2.5 is served at 1.0 thinking, 0.6 instant)")
+    decoding.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
+    decoding.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    decoding.add_argument("--no-baselines", action="store_true",
+                          help="skip the n-gram and untrained-draft baselines")
     decoding.add_argument("--offline-only", action="store_true", help="skip speculative decoding")
     model = parser.add_argument_group("model placement")
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -97,6 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("num_speculative_tokens", "max_new_tokens", "max_prompts", "max_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise PipelineError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if not 0.0 <= args.temperature <= 100.0:
+        raise PipelineError(f"--temperature {args.temperature}: must be in [0, 100] (0 is greedy)")
+    if not 0.0 < args.top_p <= 1.0:
+        raise PipelineError(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.top_p < 1.0 and args.temperature == 0.0:
+        raise PipelineError(f"--top-p {args.top_p} needs --temperature > 0 (greedy ignores it)")
     return args
 
 
@@ -147,29 +163,42 @@ def main(argv: list[str] | None = None) -> int:
                                                  device)
         reports.append((report, draft))
 
-    # 4. measured: plain greedy once, then speculative decoding with each draft
+    # 4. measured: plain decoding once, then speculative decoding with each draft and baseline
+    sampling = SamplingParams(args.temperature, args.top_p)
+    baselines: dict[str, DraftReport] = {}
+    plain = None
     if not args.offline_only:
         context = max((len(p.ids) for p in prompts), default=0) + args.max_new_tokens + k + 1  # longest sequence
         model = load_target_model(info, dtype, str(device), args.device_map, args.max_memory, context, logits=True)
         stop_ids = stop_token_ids(info.path, info.text_config)
+        mode = "greedy" if sampling.greedy else f"sampling at temperature {args.temperature}, top-p {args.top_p}"
         print(f"decoding {len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a "
-              f"prompt skipped), up to {args.max_new_tokens} new tokens each, stop ids {sorted(stop_ids)}")
-        greedy = measure_greedy(model, prompts, args.max_new_tokens, stop_ids)
+              f"prompt skipped), up to {args.max_new_tokens} new tokens each, {mode}, stop ids {sorted(stop_ids)}")
+        run = dict(k=k, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, sampling=sampling, seed=args.seed)
+        plain = measure_plain(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed)
         for report, draft in reports:
-            report.measured = measure_draft(model, draft.to(dtype), prompts, greedy, k, args.max_new_tokens,
-                                            stop_ids, desc=report.name)
+            report.measured = measure_draft(model, draft.to(dtype), prompts, plain, desc=report.name, **run)
+        if not args.no_baselines:
+            baselines["ngram"] = DraftReport("n-gram", "prompt lookup, n 3..1",
+                                             measure_ngram(model, prompts, plain, **run))
+            untrained = untrained_draft(reports[0][1])
+            baselines["untrained"] = DraftReport("untrained", "draft at its initial weights",
+                                                 measure_draft(model, untrained, prompts, plain, desc="untrained",
+                                                               **run))
+        baselines["none"] = DraftReport("no speculation", "target alone", no_speculation(plain, k, sampling.greedy))
 
     # 5. served: vLLM with each draft and without speculation, on the same prompts
     served: dict = {}
     if vllm_python is not None:
         longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + k + 8
         base = EngineSettings.for_target(info, longest, trust_remote_code, args.tensor_parallel_size)
-        plain, served = measure_with_vllm(vllm_python, base, [(p.sample_id, p.ids) for p in prompts], draft_dirs,
+        served_plain, served = measure_with_vllm(vllm_python, base, [(p.sample_id, p.ids) for p in prompts],
+                                                 draft_dirs,
                                           k, args.max_new_tokens, stop_ids)
 
     # 6. summary: the side-by-side table, one output text, the JSON
     drafts = [report for report, _ in reports]
-    print(summary_table(drafts, k))
+    print(summary_table(drafts + list(baselines.values()), k, plain))
     if served:
         print(engine_table([r.name for r in drafts], {r.name: r.measured for r in drafts}, served,
                            {r.name: (r.offline or {}).get("simulated_acceptance_length") for r in drafts}, k))
@@ -186,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         settings = {"target": info.path, "num_speculative_tokens": k, "max_new_tokens": args.max_new_tokens,
                     "prompts": len(prompts), "held_out": split.rule, "dtype": str(dtype).removeprefix("torch."),
-                    "engine": args.engine}
+                    "engine": args.engine, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
         if served:
-            settings["vllm_plain_tokens_per_second"] = plain.tokens_per_second
-        write_report(args.json, drafts, prompts, decode, settings,
+            settings["vllm_plain_tokens_per_second"] = served_plain.tokens_per_second
+        write_report(args.json, drafts, prompts, decode, settings, baselines,
                      per_draft={name: {"vllm": m.figures()} for name, m in served.items()})
         print(f"wrote {args.json}")
     return 0

@@ -32,7 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from common.cli import DEFAULT_RUN_DIR  # noqa: E402
 from common.draft import load_draft  # noqa: E402
 from common.errors import PipelineError  # noqa: E402
-from common.evaluate import check_draft, held_out, measure_draft, measure_greedy, select_prompts  # noqa: E402
+from common.evaluate import (  # noqa: E402
+    check_draft,
+    degenerate_share,
+    held_out,
+    mean_distinct_ratio,
+    measure_draft,
+    measure_greedy,
+    select_prompts,
+)
 from common.fixtures import ensure_target  # noqa: E402
 from common.prepared import load_prepared  # noqa: E402
 from common.speculative import stop_token_ids  # noqa: E402
@@ -71,9 +79,11 @@ def run(run_dir: Path = DEFAULT_RUN_DIR, draft: Path | None = None, target: Path
     greedy_tps, spec_tps = tokens / statistics.median(greedy_s), tokens / statistics.median(spec_s)
     return {"target": info.path, "draft": str(draft_dir), "held_out": split.rule, "prompts": len(chosen),
             "tokens": tokens, "k": k, "repeats": repeats, "greedy_tokens_per_s": greedy_tps,
-            "speculative_tokens_per_s": spec_tps, "ratio": spec_tps / greedy_tps, "acceptance_length": results[0].stats.acceptance_length,
+            "speculative_tokens_per_s": spec_tps, "ratio": spec_tps / greedy_tps,
+            "acceptance_length": results[0].stats.acceptance_length,
             "acceptance_rate_per_position": results[0].stats.acceptance_rate_per_position,
-            "identical_to_greedy": all(r.identical_to_greedy for r in results)}
+            "identical_to_greedy": all(r.identical_to_greedy for r in results),
+            "degenerate_share": degenerate_share(greedy), "distinct_ratio": mean_distinct_ratio(greedy)}
 
 
 def main() -> int:
@@ -98,8 +108,9 @@ def main() -> int:
     print(f"target {r['target']}, draft {r['draft']}: {r['prompts']} prompts, {r['tokens']:,} tokens, k = {r['k']}, "
           f"{torch.get_num_threads()} thread(s); held-out: {r['held_out']}")
     print(f"plain greedy {r['greedy_tokens_per_s']:.1f} tok/s, speculative {r['speculative_tokens_per_s']:.1f} tok/s: "
-          f"ratio {r['ratio']:.2f} (median of {r['repeats']}), acceptance length {r['acceptance_length']:.3f} "
-          f"(per-position acceptance {rates})")
+          f"ratio {r['ratio']:.3g} (median of {r['repeats']}; {100 * r['degenerate_share']:.3g}% of the greedy "
+          f"generations loop, distinct-token ratio {r['distinct_ratio']:.3g}), acceptance length "
+          f"{r['acceptance_length']:.3f} (per-position acceptance {rates})")
     print(f"identical to greedy: {'yes' if r['identical_to_greedy'] else 'NO'}")
     return 0 if r["identical_to_greedy"] else 1
 

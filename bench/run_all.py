@@ -34,21 +34,30 @@ def rows(quick: bool, run_dir: Path) -> list[tuple[str, str, str, str, str]]:
     r5 = bench_05_speculative.run(run_dir=run_dir, prompts=4 if quick else 8, repeats=repeats)
     return [
         ("02 extract: tokens/s", f"{r2['ours_tokens_per_s']:,.0f}", f"{r2['naive_tokens_per_s']:,.0f} (naive)",
-         f"{r2['speedup']:.1f}x", ">= 3x"),
+         f"{r2['speedup']:.3g}x", goal(r2["speedup"], 3.0, ">= 3x")),
+        ("02 extract: tokens/s", f"{r2['ours_tokens_per_s']:,.0f}",
+         f"{r2['realistic_tokens_per_s']:,.0f} (realistic: batched bf16, 4 states)",
+         f"{r2['speedup_over_realistic']:.3g}x", "-"),
         ("02 extract: bytes/token", f"{r2['ours_state_bytes_per_token']:,.0f}",
          f"{r2['naive_state_bytes_per_token']:,.0f} (naive)",
-         f"{r2['naive_state_bytes_per_token'] / r2['ours_state_bytes_per_token']:.1f}x less",
+         f"{r2['naive_state_bytes_per_token'] / r2['ours_state_bytes_per_token']:.3g}x less",
          f"= {r2['expected_state_bytes_per_token']} (4 x hidden x 2)"),
         ("02 extract: forward share", f"{r2['forward_share']:.0%}", "-", "-", "limit 100%"),
         ("03 vocab counting: seconds", f"{r3['ours_s']:.2f}", f"{r3['speculators_s']:.2f} (speculators)",
-         f"{r3['speedup']:.0f}x", ">= 10x"),
+         f"{r3['speedup']:.3g}x", goal(r3["speedup"], 10.0, ">= 10x")),
         ("04 training: tokens/s", f"{r4['data_path_tokens_per_s']:,.0f} (data path)",
-         f"{r4['in_memory_tokens_per_s']:,.0f} (in memory)", f"{r4['ratio']:.2f}", ">= 0.9"),
-        ("05 decoding: tokens/s", f"{r5['speculative_tokens_per_s']:,.0f} (speculative)",
+         f"{r4['in_memory_tokens_per_s']:,.0f} (in memory)", f"{r4['ratio']:.3g}", goal(r4["ratio"], 0.9, ">= 0.9")),
+        (f"05 decoding: tokens/s ({100 * r5['degenerate_share']:.3g}% of greedy generations loop)",
+         f"{r5['speculative_tokens_per_s']:,.0f} (speculative)",
          f"{r5['greedy_tokens_per_s']:,.0f} (greedy)",
-         f"{r5['ratio']:.2f} (acceptance {r5['acceptance_length']:.2f})",
+         f"{r5['ratio']:.3g} (acceptance {r5['acceptance_length']:.3g})",
          "lossless: " + ("yes" if r5["identical_to_greedy"] else "NO")),
     ]
+
+
+def goal(value: float, threshold: float, text: str) -> str:
+    """The goal and whether the unrounded value meets it."""
+    return f"{text}: {'met' if value >= threshold else 'NOT met'}"
 
 
 def main() -> int:

@@ -1,13 +1,15 @@
 """Evaluating drafts (step 05): measured acceptance length by real speculative decoding,
 offline metrics over held-out hidden-state files, and the side-by-side report.
 
-Held-out samples: 04 writes `train_report.json` next to the draft folder, with the seed and
-validation share of its split; the same library call (`split_files`) on the same hidden-state
-folder gives back its validation files, and file `data_{i}.pt` is prepared row i. Without such
-a report (a draft trained elsewhere, or `--val-ratio 0`) every file of `--data` is evaluated
-and prompts come from the last rows of the prepared dataset; the summary says which rule was
-used. A prompt is a sample's tokens up to its first supervised token (loss_mask 1): the
-conversation up to where the assistant starts answering.
+Held-out samples: 04 writes the prepared rows it validated on into the draft folder
+(`validation_split.json`); file `data_{i}.pt` is prepared row i. 05 takes prompts and offline
+metrics from exactly those rows. Without such a record (a draft trained elsewhere, or
+`--val-ratio 0`) every file of `--data` is evaluated and prompts come from the last rows of the
+prepared dataset; the summary says which rule was used. A prompt is a sample's tokens up to its
+first supervised token (loss_mask 1): the conversation up to where the assistant starts answering.
+
+Baselines on the same prompts and settings: no speculation (acceptance length 1), n-gram prompt
+lookup (vLLM's `ngram` method) and the draft at its initial weights.
 """
 
 from __future__ import annotations
@@ -20,29 +22,41 @@ import torch
 from tqdm import tqdm
 
 from common.atomic import read_json, write_json
-from common.draft import WEIGHTS_FILE, read_saved_config, saved_tensor
+from common.draft import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
 from common.errors import PipelineError
 from common.extract_io import sample_index
 from common.hidden_states import capture_layers, decoder_parts
-from common.speculative import DraftProposer, Generation, SpeculativeStats, greedy_generate, speculative_generate
+from common.speculative import (
+    LOOP_RUN,
+    DraftProposer,
+    Generation,
+    NgramProposer,
+    SamplingParams,
+    SpeculativeStats,
+    distinct_ratio,
+    longest_run,
+    plain_generate,
+    speculative_generate,
+)
 from common.target import TargetInfo
 from common.training import (
     REPORT_FILE,
+    SPLIT_FILE,
     HiddenStateData,
     TrainSettings,
     ValSummary,
     epoch_tokens,
     evaluate,
     make_loader,
-    split_data,
 )
 
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
 __all__ = [
     "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "training_seq_len", "Prompt",
-    "select_prompts", "MeasuredResult", "measure_greedy", "measure_draft", "DraftReport", "summary_table",
-    "gap_notes", "write_report",
+    "select_prompts", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain", "measure_greedy",
+    "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "DraftReport", "summary_table",
+    "gap_notes", "write_report", "no_speculation",
 ]
 
 
@@ -88,34 +102,33 @@ class HeldOut:
 
 
 def held_out(draft_dir: str | Path, data: HiddenStateData | None, max_samples: int | None = None) -> HeldOut:
-    """04's validation split of `data` when the training report next to the draft says how it
-    was made from this very folder; otherwise every file, and prompts from the last rows.
-    `max_samples` keeps the files of the highest rows (the end of the prepared dataset)."""
+    """The prepared rows 04 held out, as it wrote them into the draft folder (`SPLIT_FILE`), and
+    their hidden-state files in `data`; without such a record (a draft trained elsewhere, or
+    `--val-ratio 0`) every file, and prompts from the last rows. `max_samples` keeps the files of
+    the highest rows."""
+    split_path = Path(draft_dir) / SPLIT_FILE
+    rows = _validation_rows(split_path, data)
     if data is None:
-        return HeldOut(None, None, "no hidden states: prompts from the last prepared rows")
-    split = _validation_split(draft_dir, data)
-    files = split if split is not None else data.files
+        if rows is None:
+            return HeldOut(None, None, "no hidden states: prompts from the last prepared rows")
+        return HeldOut(None, rows, f"04's validation rows ({len(rows):,}), from {split_path}")
+    files = data.files if rows is None else [f for f in data.files if sample_index(f) in set(rows)]
     files = sorted(files, key=sample_index)[-max_samples:] if max_samples else files
-    if split is None:
+    if rows is None:
         return HeldOut(files, None, f"{len(files):,} of the {len(data.files):,} files of {data.folder} (no training "
                                     "split known; they may include training samples), prompts from the last rows")
-    rows = sorted(sample_index(f) for f in split)
-    return HeldOut(files, rows, f"04's validation split ({len(split):,} samples; offline metrics over "
-                                f"{len(files):,}), from {Path(draft_dir).parent / REPORT_FILE}")
+    return HeldOut(files, rows, f"04's validation rows ({len(rows):,}; offline metrics over {len(files):,} files), "
+                                f"from {split_path}")
 
 
-def _validation_split(draft_dir: str | Path, data: HiddenStateData) -> list[Path] | None:
-    report_path = Path(draft_dir).parent / REPORT_FILE
-    if not report_path.is_file():
+def _validation_rows(split_path: Path, data: HiddenStateData | None) -> list[int] | None:
+    """The validation rows 04 recorded, when it recorded some for these very hidden states."""
+    if not split_path.is_file():
         return None
-    report = read_json(report_path)
-    same_draft = Path(report.get("draft", "")).resolve() == Path(draft_dir).resolve()
-    same_data = Path(report.get("data", "")).resolve() == data.folder.resolve()
-    settings = report.get("settings", {})
-    if not (same_draft and same_data and settings.get("val_ratio", 0) > 0):
-        return None
-    _, val = split_data(data, settings["val_ratio"], settings["seed"])
-    return [Path(f) for f in val]
+    record = read_json(split_path)
+    rows = record.get("validation_rows") or []
+    same_data = data is None or Path(record.get("hidden_states", "")).resolve() == data.folder.resolve()
+    return sorted(int(r) for r in rows) if rows and same_data else None
 
 
 def check_data(data: HiddenStateData, info: TargetInfo, layer_ids: list[int], draft_dir: Path) -> None:
@@ -180,22 +193,25 @@ def select_prompts(ds, max_prompts: int, rows: list[int] | None = None) -> tuple
 
 @dataclass
 class MeasuredResult:
-    """Speculative decoding of one draft over the prompts, against plain greedy decoding."""
+    """Speculative decoding with one proposer over the prompts, against plain decoding of the target."""
 
     k: int
     stats: SpeculativeStats
     generations: list[Generation]
     mismatched: list[str] = field(default_factory=list)  # sample ids whose tokens differ from greedy
     seconds: float = 0.0
-    greedy_seconds: float = 0.0
+    greedy_seconds: float = 0.0  # plain decoding of the same prompts (greedy or sampled alike)
+    compared: bool = True  # greedy: each output checked against plain greedy decoding
+    plain_tokens: int = 0  # tokens of that plain decoding
 
     @property
     def tokens(self) -> int:
         return sum(len(g.tokens) for g in self.generations)
 
     @property
-    def identical_to_greedy(self) -> bool:
-        return not self.mismatched
+    def identical_to_greedy(self) -> bool | None:
+        """None when sampling: outputs are then equal in distribution, not token by token."""
+        return not self.mismatched if self.compared else None
 
     @property
     def tokens_per_second(self) -> float:
@@ -203,36 +219,95 @@ class MeasuredResult:
 
     @property
     def speedup(self) -> float:
-        """Speculative over plain greedy tokens per second (same tokens when lossless)."""
-        return self.greedy_seconds / self.seconds if self.seconds else float("nan")
+        """Speculative over plain decoding, per-token time (sampled runs differ in tokens)."""
+        plain_tokens = self.plain_tokens or self.tokens
+        if not self.seconds or not self.greedy_seconds:
+            return float("nan")
+        return (self.greedy_seconds / plain_tokens) / (self.seconds / self.tokens)
+
+    @property
+    def degenerate_share(self) -> float:
+        return degenerate_share(self.generations)
+
+    @property
+    def distinct_ratio(self) -> float:
+        return mean_distinct_ratio(self.generations)
+
+
+def degenerate_share(generations: list[Generation]) -> float:
+    """Share of generations with a token repeated more than LOOP_RUN times in a row."""
+    return sum(longest_run(g.tokens) > LOOP_RUN for g in generations) / len(generations) if generations else 0.0
+
+
+def mean_distinct_ratio(generations: list[Generation]) -> float:
+    """Mean over generations of distinct tokens / tokens."""
+    return sum(distinct_ratio(g.tokens) for g in generations) / len(generations) if generations else float("nan")
+
+
+def _generator(seed: int, prompt: Prompt) -> torch.Generator:
+    """One random stream per prompt, the same for every proposer and for plain decoding."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + prompt.row)
+
+
+def measure_plain(target: torch.nn.Module, prompts: list[Prompt], max_new_tokens: int, stop_ids: set[int],
+                  sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                  show_progress: bool = True) -> list[Generation]:
+    """The reference: plain decoding of the target alone (greedy or sampled), per prompt."""
+    desc = "greedy" if sampling.greedy else "sampling"
+    return [plain_generate(target, p.ids, max_new_tokens, stop_ids, sampling, _generator(seed, p))
+            for p in tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress)]
 
 
 def measure_greedy(target: torch.nn.Module, prompts: list[Prompt], max_new_tokens: int, stop_ids: set[int],
                    show_progress: bool = True) -> list[Generation]:
-    """The reference: plain greedy decoding of the target alone, per prompt."""
-    return [greedy_generate(target, p.ids, max_new_tokens, stop_ids)
-            for p in tqdm(prompts, desc="greedy", unit="prompt", disable=not show_progress)]
+    """Plain greedy decoding of the target alone, per prompt."""
+    return measure_plain(target, prompts, max_new_tokens, stop_ids, show_progress=show_progress)
 
 
-def measure_draft(target: torch.nn.Module, draft: torch.nn.Module, prompts: list[Prompt], greedy: list[Generation],
-                  k: int, max_new_tokens: int, stop_ids: set[int], desc: str = "speculative",
-                  show_progress: bool = True) -> MeasuredResult:
-    """Speculative decoding of every prompt with `draft`, checked token by token against `greedy`."""
-    layer_ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
-    proposer = DraftProposer(draft)
+def measure_proposer(target: torch.nn.Module, proposer, layer_ids: list[int], prompts: list[Prompt],
+                     plain: list[Generation], k: int, max_new_tokens: int, stop_ids: set[int],
+                     sampling: SamplingParams = SamplingParams(), seed: int = 0, desc: str = "speculative",
+                     show_progress: bool = True) -> MeasuredResult:
+    """Speculative decoding of every prompt with `proposer` (a draft's `DraftProposer`, or
+    `NgramProposer` with no layers); greedy outputs are checked token by token against `plain`."""
     _, layers = decoder_parts(target)
-    result = MeasuredResult(k=k, stats=SpeculativeStats(k), generations=[])
+    result = MeasuredResult(k=k, stats=SpeculativeStats(k), generations=[], compared=sampling.greedy,
+                            plain_tokens=sum(len(g.tokens) for g in plain))
     with capture_layers(layers, layer_ids) as captured:
-        for prompt, reference in zip(tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress), greedy):
+        for prompt, reference in zip(tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress), plain):
             generation = speculative_generate(target, captured, layer_ids, proposer, prompt.ids, k,
-                                              max_new_tokens, stop_ids)
+                                              max_new_tokens, stop_ids, sampling, _generator(seed, prompt))
             result.generations.append(generation)
             result.stats.add(generation)
             result.seconds += generation.seconds
             result.greedy_seconds += reference.seconds
-            if generation.tokens != reference.tokens:
+            if sampling.greedy and generation.tokens != reference.tokens:
                 result.mismatched.append(prompt.sample_id)
     return result
+
+
+def measure_draft(target: torch.nn.Module, draft: torch.nn.Module, prompts: list[Prompt], plain: list[Generation],
+                  k: int, max_new_tokens: int, stop_ids: set[int], sampling: SamplingParams = SamplingParams(),
+                  seed: int = 0, desc: str = "speculative", show_progress: bool = True) -> MeasuredResult:
+    """Speculative decoding of every prompt with an EAGLE-3 `draft`."""
+    return measure_proposer(target, DraftProposer(draft), list(draft.config.eagle_aux_hidden_state_layer_ids),
+                            prompts, plain, k, max_new_tokens, stop_ids, sampling, seed, desc, show_progress)
+
+
+def measure_ngram(target: torch.nn.Module, prompts: list[Prompt], plain: list[Generation], k: int,
+                  max_new_tokens: int, stop_ids: set[int], sampling: SamplingParams = SamplingParams(),
+                  seed: int = 0, show_progress: bool = True) -> MeasuredResult:
+    """The n-gram prompt-lookup baseline (vLLM's `ngram` method, n from 3 down to 1)."""
+    return measure_proposer(target, NgramProposer(), [], prompts, plain, k, max_new_tokens, stop_ids, sampling,
+                            seed, "n-gram", show_progress)
+
+
+def untrained_draft(draft: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """A fresh draft of the same config and vocabulary maps (the target's frozen embedding and
+    lm_head, everything else at its initial values): the floor a trained draft must clear."""
+    torch.manual_seed(seed)
+    fresh = build_draft(draft.config, draft.t2d.cpu(), draft.d2t.cpu())
+    return fresh.to(device=draft.fc.weight.device, dtype=draft.fc.weight.dtype).eval()
 
 
 @dataclass
@@ -260,6 +335,8 @@ class DraftReport:
                 "tokens_generated": m.tokens,
                 "tokens_per_second": _finite(m.tokens_per_second),
                 "speedup_over_greedy": _finite(m.speedup),
+                "degenerate_share": _finite(m.degenerate_share),
+                "distinct_ratio": _finite(m.distinct_ratio),
                 "generations": [
                     {"sample_id": p.sample_id, "row": p.row, "prompt_tokens": len(p.ids), "tokens": g.tokens,
                      "accepted_per_pass": g.accepted, "text": decode(g.tokens)}
@@ -268,6 +345,16 @@ class DraftReport:
         if self.offline is not None:
             out["offline"] = self.offline
         return out
+
+
+def no_speculation(plain: list[Generation], k: int, greedy: bool = True) -> MeasuredResult:
+    """Plain decoding as a column of the table: one token per target pass (acceptance length 1)."""
+    stats = SpeculativeStats(k)
+    for g in plain:  # the prefill pass emits the first token and is not counted, as for the drafts
+        stats.add(Generation(g.prompt_len, g.tokens, accepted=[0] * max(0, len(g.tokens) - 1)))
+    seconds = sum(g.seconds for g in plain)
+    return MeasuredResult(k=k, stats=stats, generations=plain, seconds=seconds, greedy_seconds=seconds,
+                          compared=greedy)
 
 
 def _finite(x: float) -> float | None:
@@ -282,8 +369,10 @@ def _fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else f"{value:,}"
 
 
-def summary_table(reports: list[DraftReport], k: int) -> str:
-    """One column per draft, one row per figure: the side-by-side comparison."""
+def summary_table(reports: list[DraftReport], k: int, plain: list[Generation] | None = None) -> str:
+    """One column per draft or baseline, one row per figure: the side-by-side comparison. The
+    speed row names the share of `plain` (the target's own) generations that loop: a looping
+    target makes any draft look fast."""
     rows: list[tuple[str, list]] = []
     measured = [r.measured for r in reports]
     offline = [r.offline or {} for r in reports]
@@ -294,8 +383,12 @@ def summary_table(reports: list[DraftReport], k: int) -> str:
                          [m and _finite(m.stats.acceptance_rate_per_position[j]) for m in measured]))
         rows.append(("identical to greedy", [m and m.identical_to_greedy for m in measured]))
         rows.append(("target passes", [m and m.stats.passes for m in measured]))
-        rows.append(("speculative tokens/s", [m and _finite(m.tokens_per_second) for m in measured]))
-        rows.append(("speedup over greedy", [m and _finite(m.speedup) for m in measured]))
+        rows.append((f"generations looping (a token > {LOOP_RUN}x in a row)",
+                     [m and _finite(m.degenerate_share) for m in measured]))
+        rows.append(("distinct-token ratio", [m and _finite(m.distinct_ratio) for m in measured]))
+        rows.append(("tokens/s", [m and _finite(m.tokens_per_second) for m in measured]))
+        loops = f"{100 * degenerate_share(plain):.3g}% of plain generations loop" if plain else "loops unknown"
+        rows.append((f"speedup over plain decoding ({loops})", [m and _finite(m.speedup) for m in measured]))
     if any(offline):
         rows.append(("simulated acceptance length", [o.get("simulated_acceptance_length") for o in offline]))
         rows.append(("validation loss", [o.get("val_loss") for o in offline]))
@@ -337,10 +430,13 @@ def _at(values: list | None, j: int):
 
 
 def write_report(path: str | Path, reports: list[DraftReport], prompts: list[Prompt], decode, settings: dict,
-                 per_draft: dict[str, dict] | None = None) -> None:
+                 baselines: dict[str, DraftReport] | None = None, per_draft: dict[str, dict] | None = None) -> None:
     """`--json`: the first draft's figures at the top level (the command-line contract), every
-    draft's under `drafts` (with its `per_draft` block, e.g. vLLM's figures), and the settings."""
+    draft's under `drafts` (with its `per_draft` block, e.g. vLLM's figures), each baseline's
+    (`none`, `ngram`, `untrained`) under `baselines`, and the settings they were measured with."""
     drafts = [r.figures(prompts, decode) | (per_draft or {}).get(r.name, {}) for r in reports]
     top = {key: drafts[0].get(key) for key in ("measured_acceptance_length", "simulated_acceptance_length",
-                                                "acceptance_rate_per_position", "identical_to_greedy")}
-    write_json(path, {**top, **settings, "drafts": drafts})
+                                                "acceptance_rate_per_position", "identical_to_greedy",
+                                                "degenerate_share", "distinct_ratio")}
+    extra = {name: r.figures(prompts, decode) for name, r in (baselines or {}).items()}
+    write_json(path, {**top, **settings, "drafts": drafts, "baselines": extra})

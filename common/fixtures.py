@@ -18,21 +18,27 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from common import miniature_lm
+from common.errors import PipelineError
 from common.int4_experts import quantize_routed_experts
+from common.miniature_lm import LMSettings, corpus_files, render_corpus, train_miniature_lm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_CONVERSATIONS = REPO_ROOT / "data" / "demo_conversations.jsonl"
+DATA_DIR = REPO_ROOT / "data"
+DEMO_CONVERSATIONS = DATA_DIR / "demo_conversations.jsonl"
 KIMI_CODE_DIR = Path(__file__).resolve().parent / "kimi_k25_code"
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "targets"
 FIXTURE_VERSION = 6  # bump when the generated targets change, so caches are rebuilt
@@ -68,8 +74,10 @@ FLAT_CHAT_TEMPLATE = (
 )
 
 BPE_SIZE = 4096
-FIT_TOKENS, FIT_CHUNK = 32768, 256  # corpus tokens (in chunks) the lm_head is fitted on
-FIT_RIDGE, FIT_SCALE = 1e-3, 200.0  # ridge strength (per sample), logit scale of the fitted head
+# LM training of each miniature (common/miniature_lm.py): ~1.2M corpus tokens for the flat one;
+# the Kimi-style one costs ~3x more per token (MLA with kv_lora_rank 512, MoE), so it sees fewer.
+FLAT_LM = LMSettings(steps=600)
+KIMI_LM = LMSettings(steps=400)
 # Draft vocabulary of the built-in default run: the miniature's tokenizer has 4096 BPE tokens, so
 # the usual 32000 would be mostly ids the data never shows, and it would make CPU training ~10x
 # slower (the draft's lm_head and loss scale with it). 2048 covers ~98% of the demo's supervised tokens.
@@ -104,13 +112,25 @@ FLAT_MODEL_CONFIG = {
 }
 
 
-def demo_corpus(path: Path = DEMO_CONVERSATIONS) -> list[str]:
-    """Every text field of the demo conversations: the BPE training corpus of both targets."""
+def demo_corpus(files: list[Path] | None = None) -> list[str]:
+    """Every text of the shipped demo conversations (`data/demo_*.jsonl`): contents, reasoning,
+    tool-call arguments and tool declarations. The BPE training corpus of both targets."""
     texts = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        for message in json.loads(line)["messages"]:
-            texts += [message["content"], message.get("reasoning_content") or ""]
+    for path in files or corpus_files(DATA_DIR):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            texts += [json.dumps(record["tools"], ensure_ascii=False)] if record.get("tools") else []
+            for message in record["messages"]:
+                content = message.get("content")
+                texts += [content if isinstance(content, str) else "",
+                          message.get("reasoning_content") or message.get("reasoning") or ""]
+                texts += [_arguments_text(call) for call in message.get("tool_calls") or []]
     return [t for t in texts if t]
+
+
+def _arguments_text(call: dict) -> str:
+    arguments = call.get("function", {}).get("arguments", "")
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def train_byte_bpe(texts: list[str], vocab_size: int, special_tokens: list[str] = ()) -> Tokenizer:
@@ -167,39 +187,32 @@ def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-@torch.no_grad()
-def _fit_lm_head(model: torch.nn.Module, bpe: Tokenizer) -> torch.Tensor:
-    """An lm_head fitted in closed form to the demo corpus: ridge regression of the next token
-    (one-hot) on the network's final state. A random lm_head would make a target whose greedy
-    text looks nothing like the data a draft is trained on, so nothing learned on the data would
-    transfer to real decoding; fitted, the miniature behaves like a (weak) trained LM: it
-    predicts corpus-like tokens and never one of the ~160K ids its tokenizer cannot produce."""
-    ids = [i for text in demo_corpus() for i in bpe.encode(text).ids][:FIT_TOKENS]
-    chunks = torch.tensor(ids[: len(ids) // FIT_CHUNK * FIT_CHUNK]).view(-1, FIT_CHUNK)
-    states = torch.cat([model.model(input_ids=c).last_hidden_state for c in chunks.split(16)])
-    hidden = states.shape[-1]
-    x = states[:, :-1].reshape(-1, hidden).double()
-    y = chunks[:, 1:].reshape(-1)
-    gram = x.T @ x + FIT_RIDGE * len(x) * torch.eye(hidden, dtype=torch.float64)
-    x_onehot = torch.zeros(hidden, model.lm_head.out_features, dtype=torch.float64).index_add_(1, y, x.T)
-    return (FIT_SCALE * torch.linalg.solve(gram, x_onehot).T).float()
+def _lm_trained_state(model: torch.nn.Module, tokenizer, settings: LMSettings) -> dict[str, torch.Tensor]:
+    """The weights of `model` trained as a small LM on the demo corpus rendered through
+    `tokenizer`'s chat template (common/miniature_lm.py), in bf16. A model with random weights
+    decodes greedily into a loop, which makes every acceptance length measured on it meaningless."""
+    sequences, _ = render_corpus(tokenizer, corpus_files(DATA_DIR))
+    if not sequences:
+        raise PipelineError(f"no conversation of {DATA_DIR}/demo_*.jsonl renders through the miniature's "
+                            "chat template")
+    active = _producible_ids(tokenizer) | {t for s in sequences for t in s}
+    train_miniature_lm(model, sequences, sorted(active), settings)
+    return {name: tensor.detach().to(torch.bfloat16) for name, tensor in model.state_dict().items()}
 
 
-def _corpus_fitted_state(model: torch.nn.Module, seed: int, bpe: Tokenizer) -> dict[str, torch.Tensor]:
-    """Random weights (`_random_state`) with the lm_head fitted to the demo corpus."""
-    state = _random_state(model, seed)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    model.eval()
-    state["lm_head.weight"] = _fit_lm_head(model, bpe).to(torch.bfloat16)
-    return state
+def _producible_ids(tokenizer) -> set[int]:
+    """Every id the tokenizer can produce: its vocabulary (BPE ranks and added tokens)."""
+    return {int(i) for i in tokenizer.get_vocab().values()}
 
 
 def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = True,
-                      text_overrides: dict | None = None, num_shards: int = 4) -> Path:
+                      text_overrides: dict | None = None, num_shards: int = 4,
+                      lm_settings: LMSettings | None = None) -> Path:
     """Write the Kimi-K2.5-shaped miniature target into `out_dir`: routed experts stored as
     Kimi-K2.5 stores them (compressed-tensors pack-quantized INT4, group 32), or in bf16 with
     `int4_experts=False` (for exact arithmetic). `text_overrides` changes text_config fields
-    (the benchmarks' variant where experts dominate the weights)."""
+    (the benchmarks' variant where experts dominate the weights); `lm_settings`: how its LM
+    training runs (default KIMI_LM)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from common.kimi_k25_code.configuration_kimi_k25 import KimiK25VisionConfig
@@ -243,10 +256,14 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = T
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
 
     # Weights: the text model under `language_model.`, plus the vision keys of the real checkpoint.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
     torch.manual_seed(seed)
-    text = DeepseekV3ForCausalLM(DeepseekV3Config(**text_config))
-    state = {f"language_model.{k}": v for k, v in _corpus_fitted_state(text, seed, bpe).items()}
-    del text
+    text = DeepseekV3ForCausalLM(DeepseekV3Config(**text_config, attn_implementation="sdpa"))
+    trained = _lm_trained_state(text, tokenizer, replace(lm_settings or KIMI_LM, seed=seed))
+    state = {f"language_model.{k}": v for k, v in trained.items()}
+    del text, trained
     if int4_experts:  # a separate step on the finished weights, as a real checkpoint is quantized after training
         state, text_config["quantization_config"] = quantize_routed_experts(state)
     vcfg = KimiK25VisionConfig(**KIMI_VISION_CONFIG)
@@ -259,8 +276,9 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = T
     return out
 
 
-def write_flat_target(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the ordinary flat miniature target (Llama, fast tokenizer, ChatML) into `out_dir`."""
+def write_flat_target(out_dir: str | Path, seed: int = 0, lm_settings: LMSettings | None = None) -> Path:
+    """Write the ordinary flat miniature target (Llama, fast tokenizer, ChatML) into `out_dir`
+    (`lm_settings`: how its LM training runs; default FLAT_LM)."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out = Path(out_dir)
@@ -277,7 +295,8 @@ def write_flat_target(out_dir: str | Path, seed: int = 0) -> Path:
                             "pad_token_id": ids["<|endoftext|>"]})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    model.load_state_dict({k: v.float() for k, v in _corpus_fitted_state(model, seed, bpe).items()})
+    trained = _lm_trained_state(model, tokenizer, replace(lm_settings or FLAT_LM, seed=seed))
+    model.load_state_dict({k: v.float() for k, v in trained.items()})
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, max_shard_size="200KB")
     return out
 
@@ -290,18 +309,33 @@ def write_kimi_bf16_target(out_dir: str | Path, seed: int = 0) -> Path:
 WRITERS = {"kimi": write_kimi_target, "kimi-bf16": write_kimi_bf16_target, "flat": write_flat_target}
 
 
+def fixture_key() -> str:
+    """What a generated target depends on: FIXTURE_VERSION, the fixture code (this module, the LM
+    training, Kimi's config/model/tokenizer code) and every demo corpus file, hashed."""
+    h = hashlib.sha256(f"v{FIXTURE_VERSION}".encode())
+    sources = [Path(__file__), Path(miniature_lm.__file__), *sorted(KIMI_CODE_DIR.glob("*.py")),
+               *corpus_files(DATA_DIR)]
+    for path in sources:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def ensure_target(kind: str = "kimi", cache_dir: Path = DEFAULT_CACHE) -> Path:
     """The cached miniature target of `kind`, generated on first use (atomically: a complete
-    folder appears under its final name or not at all)."""
-    final = cache_dir / f"{kind}-v{FIXTURE_VERSION}"
+    folder appears under its final name or not at all). The folder name carries `fixture_key()`,
+    so a change to the code or the corpus makes a new one and a CI run builds each target once."""
+    final = cache_dir / f"{kind}-v{FIXTURE_VERSION}-{fixture_key()}"
     if (final / "config.json").exists():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=cache_dir))
-    WRITERS[kind](tmp)
     try:
+        WRITERS[kind](tmp)
         os.replace(tmp, final)
     except OSError:  # another process finished first
+        if not (final / "config.json").exists():
+            raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
@@ -311,8 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kind", choices=sorted(WRITERS))
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lm-steps", type=int, default=None,
+                        help="LM training steps (default: FLAT_LM / KIMI_LM; fewer make a weaker LM quickly)")
     args = parser.parse_args(argv)
-    out = WRITERS[args.kind](args.out_dir, seed=args.seed)
+    settings = None
+    if args.lm_steps is not None:
+        settings = replace({"kimi": KIMI_LM, "flat": FLAT_LM}[args.kind], steps=args.lm_steps)
+    out = WRITERS[args.kind](args.out_dir, seed=args.seed, lm_settings=settings)
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote the {args.kind} miniature target to {out} ({len(files)} files)")
     return 0

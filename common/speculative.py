@@ -1,4 +1,4 @@
-"""Greedy EAGLE-3 speculative decoding: a Hugging Face target verifies what a speculators draft proposes.
+"""EAGLE-3 speculative decoding: a Hugging Face target verifies what a speculators draft proposes.
 
 One round, as vLLM runs an EAGLE-3 draft with `num_speculative_tokens = k`:
 
@@ -16,8 +16,13 @@ One round, as vLLM runs an EAGLE-3 draft with `num_speculative_tokens = k`:
 The target's auxiliary states come from forward hooks on its decoder layers
 (`common.hidden_states.capture_layers`, shared with step 02), never from all N+1 hidden states.
 
-The emitted tokens are exactly the target's greedy continuation (what makes speculative
-decoding lossless); `greedy_generate` is the plain reference. Acceptance length is reported
+Greedy (temperature 0): the emitted tokens are exactly the target's greedy continuation (what
+makes speculative decoding lossless); `greedy_generate` is the plain reference. Sampling
+(temperature > 0, top-p): the draft samples its chain from its own distribution q and the
+target accepts each token with probability min(1, p/q), resampling from normalised max(0, p - q)
+at the first rejection (`accept_sampled`), so the emitted tokens follow the target's sampling
+distribution exactly. `NgramProposer` (vLLM's `ngram` prompt lookup) is the draft-free baseline;
+its proposals are point masses. Acceptance length is reported
 as vLLM and SGLang report it: tokens emitted per verification pass (1 + accepted drafts),
 the prefill pass not counted, counted before the `max_new_tokens` cut of the last round.
 
@@ -38,8 +43,9 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 __all__ = [
-    "aux_states", "DraftProposer", "Generation", "SpeculativeStats", "greedy_generate",
-    "speculative_generate", "stop_token_ids", "input_device",
+    "aux_states", "SamplingParams", "Proposal", "accept_greedy", "accept_sampled", "NgramProposer",
+    "ngram_lookup", "DraftProposer", "Generation", "SpeculativeStats", "plain_generate", "greedy_generate",
+    "speculative_generate", "stop_token_ids", "input_device", "longest_run", "distinct_ratio",
 ]
 
 INFERENCE_ATTENTION = "sdpa"
@@ -71,12 +77,120 @@ def aux_states(captured: dict[int, torch.Tensor], layer_ids: list[int], device: 
     return torch.cat([captured[i].to(device) for i in layer_ids], dim=-1)
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """The user's decoding settings: temperature 0 is greedy; otherwise softmax(logits / T)
+    restricted to the smallest set of most likely tokens whose mass reaches `top_p`."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> [..., V] probabilities (float32) under these settings."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p >= 1.0:
+            return probs
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep a token while the mass before it is below top_p (the most likely one always stays)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return kept / kept.sum(-1, keepdim=True)
+
+
+@dataclass
+class Proposal:
+    """Up to k proposed target ids; `probs` [len, V] the distributions they were sampled from, or
+    None for a deterministic proposer (greedy draft, n-gram lookup: a point mass on each id)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+def accept_greedy(proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+    """Greedy verification: proposals accepted while each equals the target's argmax, then the
+    target's own choice after them (the bonus token). Returns (accepted, emitted tokens)."""
+    choices = target_logits.argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(proposal.tokens) and proposal.tokens[accepted] == choices[accepted]:
+        accepted += 1
+    return accepted, proposal.tokens[:accepted] + [choices[accepted]]
+
+
+def accept_sampled(proposal: Proposal, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, list[int]]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): draft token d with draft
+    probability q(d) is accepted with probability min(1, p(d)/q(d)); at the first rejection the
+    token is drawn from normalised max(0, p - q) instead, and after k acceptances a bonus token
+    from p. The emitted tokens are distributed exactly as sampling from the target.
+    `target_probs` [len+1, V] (CPU) are p at each proposal and after the last one."""
+    for j, token in enumerate(proposal.tokens):
+        p = target_probs[j]
+        q = proposal.probs[j] if proposal.probs is not None else _point_mass(token, p)
+        if torch.rand((), generator=generator) * q[token] < p[token]:  # u < p/q without dividing by 0
+            continue
+        residual = (p - q).clamp_min(0.0)
+        total = residual.sum()
+        # total is 0 only when p == q, where rejection has probability 0; p is then the right law
+        return j, proposal.tokens[:j] + [_sample(residual / total if total > 0 else p, generator)]
+    n = len(proposal.tokens)
+    return n, proposal.tokens + [_sample(target_probs[n], generator)]
+
+
+def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q
+
+
+class NgramProposer:
+    """Prompt lookup, as vLLM's `ngram` speculative method: find the latest earlier occurrence of
+    the context's last n tokens (n from `max_n` down to `min_n`) and propose the up to k tokens
+    that followed it; propose nothing when no n-gram recurs. A round with nothing proposed is
+    still a target pass that emits one token, and counts as one (vLLM's counters skip it, which
+    would flatter the n-gram method: here acceptance length stays tokens per target pass)."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+
+    def start(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+
+    def extend(self, token_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
+        self.tokens += [int(t) for t in token_ids]
+
+    def propose(self, k: int, sampling: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
+        return Proposal(ngram_lookup(self.tokens, k, self.min_n, self.max_n))
+
+
+def ngram_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens, for the
+    largest n in [min_n, max_n] that recurs; [] when none does."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
 class DraftProposer:
     """An `Eagle3DraftModel` run for inference: its own KV cache over the verified context,
     and chains of proposals that are dropped from the cache once verified."""
 
     def __init__(self, draft: torch.nn.Module):
         self.draft = draft.eval()
+        self.layer_ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
+        self.target_vocab = int(draft.t2d.numel())
         self.layer_config = draft.layers[0].self_attn.config  # shared by all of the draft's layers
         self.dtype = draft.fc.weight.dtype
         self.device = draft.fc.weight.device
@@ -86,30 +200,53 @@ class DraftProposer:
         self.cache = DynamicCache()
         self.context_len = 0  # cache entries holding verified positions 1..context_len
         self.last_hidden: torch.Tensor | None = None  # pre-norm output at the last verified position
-        self.last_token: torch.Tensor | None = None  # target id the draft predicts after it
+        self.last_logits: torch.Tensor | None = None  # draft-vocabulary logits predicted after it
+
+    def start(self, prompt: list[int]) -> None:
+        """A new prompt (the draft builds its context from the prefill pass, in `extend`)."""
+        self.reset()
 
     @torch.no_grad()
     def extend(self, token_ids: torch.Tensor, aux: torch.Tensor) -> None:
         """Add verified positions: `token_ids` [L] (x_p ...) with `aux` [1, L, 3H] (the target's
         auxiliary states at p-1 ...)."""
         hidden = self.draft.fc(aux.to(self.device, self.dtype))
-        self.last_hidden, self.last_token = self._step(token_ids.to(self.device), hidden)
+        self.last_hidden, self.last_logits = self._step(token_ids.to(self.device), hidden)
         self.context_len += token_ids.shape[0]
 
     @torch.no_grad()
-    def propose(self, k: int) -> list[int]:
-        """k target ids: the prediction after the context, then k-1 steps on the draft's own states."""
-        hidden, token = self.last_hidden, self.last_token
-        proposals = [token]
-        for _ in range(k - 1):
-            hidden, token = self._step(token.view(1), hidden)
-            proposals.append(token)
+    def propose(self, k: int, sampling: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
+        """k target ids: the prediction after the context, then k-1 steps on the draft's own states;
+        greedy at temperature 0, else sampled from the draft's distribution (kept, over target ids,
+        for the acceptance rule)."""
+        hidden, logits = self.last_hidden, self.last_logits
+        tokens, dists = [], []
+        for step in range(k):
+            if sampling.greedy:
+                draft_id = logits.argmax()
+            else:
+                probs = sampling.probs(logits.float()).cpu()
+                draft_id = torch.multinomial(probs, 1, generator=generator)[0].to(logits.device)
+                dists.append(probs)
+            token = draft_id + self.draft.d2t[draft_id]
+            tokens.append(int(token))
+            if step < k - 1:
+                hidden, logits = self._step(token.view(1), hidden)
         self.cache.crop(self.context_len)  # the chain is not context: verification decides what is
-        return [int(t) for t in proposals]
+        if sampling.greedy:
+            return Proposal(tokens)
+        return Proposal(tokens, self._to_target_vocab(torch.stack(dists)))
+
+    def _to_target_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """[k, draft vocab] -> [k, target vocab]: each draft id's mass at its target id."""
+        ids = torch.arange(probs.shape[1]) + self.draft.d2t.cpu()
+        out = torch.zeros(probs.shape[0], self.target_vocab)
+        out[:, ids] = probs
+        return out
 
     def _step(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft's layers over L new positions; return (pre-norm state [1, 1, H] at the
-        last one, the target id predicted there)."""
+        last one, the draft-vocabulary logits predicted there)."""
         draft, length = self.draft, token_ids.shape[0]
         past = self.cache.get_seq_length()
         x = torch.cat([draft.embed_tokens(token_ids).unsqueeze(0).to(self.dtype), hidden], dim=-1)
@@ -131,8 +268,7 @@ class DraftProposer:
         finally:
             self.layer_config._attn_implementation = training_attention
         last = x[:, -1:]
-        draft_id = draft.lm_head(draft.norm(last))[0, -1].argmax()
-        return last, draft_id + draft.d2t[draft_id]
+        return last, draft.lm_head(draft.norm(last))[0, -1]
 
 
 @dataclass
@@ -168,10 +304,27 @@ def _finish(tokens: list[int], new: list[int], max_new_tokens: int, stop_ids: se
     return False
 
 
+def _aux(captured: dict[int, torch.Tensor], layer_ids: list[int], device: torch.device,
+         length: int | None = None) -> torch.Tensor | None:
+    """The first `length` positions of the latest pass's auxiliary states (None: no layers hooked,
+    a proposer that reads none)."""
+    if not layer_ids:
+        return None
+    return aux_states(captured, layer_ids, device)[:, :length]
+
+
+def _choose(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """The target's next token from its last-position logits [V]."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return _sample(sampling.probs(logits).cpu(), generator)
+
+
 @torch.no_grad()
-def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: int,
-                    stop_ids: set[int]) -> Generation:
-    """Plain greedy decoding of the target alone, one token per forward pass, with KV cache."""
+def plain_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+                   sampling: SamplingParams = SamplingParams(), generator: torch.Generator | None = None) -> Generation:
+    """The target alone, one token per forward pass, with KV cache: greedy at temperature 0,
+    else sampled (temperature, top-p)."""
     device = input_device(target)
     result = Generation(prompt_len=len(prompt), tokens=[])
     with _timed(result, device):
@@ -179,43 +332,51 @@ def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: 
         while True:
             out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
-            token = int(out.logits[0, -1].argmax())
+            token = _choose(out.logits[0, -1], sampling, generator)
             if _finish(result.tokens, [token], max_new_tokens, stop_ids):
                 return result
             ids = torch.tensor([[token]], device=device)
 
 
+def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: int,
+                    stop_ids: set[int]) -> Generation:
+    """Plain greedy decoding of the target alone (the lossless reference)."""
+    return plain_generate(target, prompt, max_new_tokens, stop_ids)
+
+
 @torch.no_grad()
 def speculative_generate(target: torch.nn.Module, captured: dict[int, torch.Tensor], layer_ids: list[int],
-                         proposer: DraftProposer, prompt: list[int], k: int, max_new_tokens: int,
-                         stop_ids: set[int]) -> Generation:
-    """Greedy speculative decoding of `prompt` (see the module docstring). `captured` is the dict
-    of an active `common.hidden_states.capture_layers(layers, layer_ids)`."""
+                         proposer, prompt: list[int], k: int, max_new_tokens: int, stop_ids: set[int],
+                         sampling: SamplingParams = SamplingParams(),
+                         generator: torch.Generator | None = None) -> Generation:
+    """Speculative decoding of `prompt` (see the module docstring). `captured` is the dict of an
+    active `common.hidden_states.capture_layers(layers, layer_ids)`; `proposer` a `DraftProposer`
+    or an `NgramProposer`. Greedy at temperature 0 (exactly plain greedy decoding), else the
+    speculative-sampling rule (`accept_sampled`)."""
     device = input_device(target)
     result = Generation(prompt_len=len(prompt), tokens=[])
     with _timed(result, device):
-        # Prefill: the target's first token, and the draft's context over positions 1..P.
+        # Prefill: the target's first token, and the proposer's context over positions 1..P.
         out = target(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
-        proposer.reset()
-        proposer.extend(torch.tensor(prompt[1:] + [token]), aux_states(captured, layer_ids, proposer.device))
+        cache, token = out.past_key_values, _choose(out.logits[0, -1], sampling, generator)
+        proposer.start(prompt)
+        proposer.extend(torch.tensor(prompt[1:] + [token]), _aux(captured, layer_ids, device))
         done = _finish(result.tokens, [token], max_new_tokens, stop_ids)
         while not done:
-            # Verify [last token, d_1..d_k] in one target pass; keep the agreeing prefix + bonus.
-            drafts = proposer.propose(k)
+            # Verify [last token, d_1..d_m] in one target pass; keep the accepted prefix + one more.
+            proposal = proposer.propose(k, sampling, generator)
             verified_len = cache.get_seq_length()
-            out = target(input_ids=torch.tensor([[token, *drafts]], device=device), past_key_values=cache,
+            out = target(input_ids=torch.tensor([[token, *proposal.tokens]], device=device), past_key_values=cache,
                          use_cache=True)
-            choices = out.logits[0].argmax(-1).tolist()
-            accepted = 0
-            while accepted < k and drafts[accepted] == choices[accepted]:
-                accepted += 1
-            new = drafts[:accepted] + [choices[accepted]]
+            if sampling.greedy:
+                accepted, new = accept_greedy(proposal, out.logits[0])
+            else:
+                accepted, new = accept_sampled(proposal, sampling.probs(out.logits[0]).cpu(), generator)
             result.accepted.append(accepted)
             cache.crop(verified_len + accepted + 1)
             done = _finish(result.tokens, new, max_new_tokens, stop_ids)
             if not done:
-                proposer.extend(torch.tensor(new), aux_states(captured, layer_ids, proposer.device)[:, :accepted + 1])
+                proposer.extend(torch.tensor(new), _aux(captured, layer_ids, device, accepted + 1))
                 token = new[-1]
     return result
 
@@ -247,3 +408,20 @@ class SpeculativeStats:
     @property
     def acceptance_rate_per_position(self) -> list[float]:
         return [n / self.passes if self.passes else float("nan") for n in self.accepted_at]
+
+
+LOOP_RUN = 4  # a generation with a token repeated more than this many times in a row is degenerate
+
+
+def longest_run(tokens: list[int]) -> int:
+    """The longest stretch of one token repeated back to back."""
+    best = run = 0
+    for i, token in enumerate(tokens):
+        run = run + 1 if i and token == tokens[i - 1] else 1
+        best = max(best, run)
+    return best
+
+
+def distinct_ratio(tokens: list[int]) -> float:
+    """Distinct tokens over tokens (1.0 for an empty generation)."""
+    return len(set(tokens)) / len(tokens) if tokens else 1.0

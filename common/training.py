@@ -641,6 +641,15 @@ def last_validation(records: list[dict]) -> ValSummary | None:
     return ValSummary.from_metrics(strip_epoch_suffix(vals[-1]["val"]), vals[-1]["epoch"]) if vals else None
 
 
+def best_validation(records: list[dict], epochs: list[int]) -> ValSummary | None:
+    """The validation pass with the highest simulated acceptance length among `epochs` (those with
+    a checkpoint), as SpecForge and TorchSpec pick the draft to ship; on a tie the later epoch.
+    None without validation passes."""
+    vals = [ValSummary.from_metrics(strip_epoch_suffix(r["val"]), r["epoch"]) for r in records if "val" in r]
+    vals = [v for v in vals if v.epoch in epochs]
+    return max(vals, key=lambda v: (v.acceptance_length, v.epoch)) if vals else None
+
+
 def plot_metrics(records: list[dict], path: Path) -> None:
     """Loss and per-TTT-step accuracy against the training step: training steps as lines,
     validation passes as markers."""
@@ -706,6 +715,9 @@ class TrainReport:
     plot: str
     validation: dict | None = None  # ValSummary of the last validation pass
     overrides: list[str] = field(default_factory=list)
+    exported_checkpoint: str | None = None  # the checkpoint the draft folder was exported from
+    exported_because: str = ""  # "best validation simulated acceptance length", or why the last one
+    best_validation: dict | None = None  # ValSummary of the exported checkpoint's validation pass
 
     def save(self, folder: Path) -> Path:
         write_json(folder / REPORT_FILE, asdict(self))

@@ -1,26 +1,32 @@
-"""Shared fixtures: the two miniature targets (generated once per test session, deterministic),
+"""Shared fixtures: the two miniature targets (trained once into the repository's cache, keyed by
+a hash of the fixture code and corpus, and copied per session so no test can alter the cache),
 the demo conversations, and a helper that runs a numbered script as a real subprocess."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from common.fixtures import DEMO_CONVERSATIONS, REPO_ROOT, write_flat_target, write_kimi_target
+from common.fixtures import DEMO_CONVERSATIONS, REPO_ROOT, ensure_target
+
+
+def _session_copy(kind: str, tmp_path_factory) -> Path:
+    return Path(shutil.copytree(ensure_target(kind), tmp_path_factory.mktemp("targets") / kind))
 
 
 @pytest.fixture(scope="session")
 def kimi_target(tmp_path_factory) -> Path:
-    return write_kimi_target(tmp_path_factory.mktemp("targets") / "kimi")
+    return _session_copy("kimi", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def flat_target(tmp_path_factory) -> Path:
-    return write_flat_target(tmp_path_factory.mktemp("targets") / "flat")
+    return _session_copy("flat", tmp_path_factory)
 
 
 @pytest.fixture(params=["kimi", "flat"])

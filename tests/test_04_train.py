@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from common import checkpoints, patch
 from common.draft import (
@@ -41,6 +42,7 @@ from common.state_storage import STORAGES
 from common.target import load_target_info
 from common.training import (
     TrainSettings,
+    best_validation,
     evaluate,
     load_hidden_states,
     make_loader,
@@ -237,13 +239,21 @@ def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     cpu = torch.device("cpu")
     reloaded = evaluate(load_draft(trained.run / "draft", trust_remote_code=True), val.loader, cpu, val.settings)
 
-    last = trained.run / "checkpoints" / str(EPOCHS - 1)  # what the Trainer saved, built the library's way
+    # the exported checkpoint (the best by validation simulated acceptance length), built the library's way
+    report = json.loads((trained.run / "train_report.json").read_text())
+    best = report["best_validation"]
+    exported = Path(report["exported_checkpoint"])
+    assert exported == trained.run / "checkpoints" / str(best["epoch"])
+    vals = [r for r in read_log(trained.run / "train_log.jsonl") if "val" in r]
+    assert best["acceptance_length"] == pytest.approx(max(simulated_acceptance_length(
+        [r["val"][f"cond_acc_{k}_epoch"] for k in range(3)]) for r in vals))
     vocab = load_vocab(trained.run / "vocab")
-    model = build_draft(read_saved_config(last), vocab.t2d, vocab.d2t)
-    patch.DeviceAgnosticCheckpointer(trained.run / "checkpoints").load_model_state_dict(model)
+    model = build_draft(read_saved_config(exported), vocab.t2d, vocab.d2t)
+    state = load_file(str(exported / "model.safetensors"))
+    model.load_state_dict(state, strict=False)
     assert reloaded == evaluate(model, val.loader, cpu, val.settings)
 
-    logged = [r["val"] for r in read_log(trained.run / "train_log.jsonl") if "val" in r][-1]
+    logged = next(r["val"] for r in vals if r["epoch"] == best["epoch"])
     assert reloaded["loss"] == pytest.approx(logged["loss_epoch"], rel=0.02)  # trained in fp32, exported in bf16
     for k in range(3):
         assert reloaded[f"full_acc_{k}"] == pytest.approx(logged[f"full_acc_{k}_epoch"], abs=0.02)
@@ -258,6 +268,18 @@ def test_summary_and_report(trained):
     assert "simulated acceptance length" in trained.resumed_stdout
     assert (trained.run / "train_log.png").read_bytes()[:4] == b"\x89PNG"
     assert report["train_samples"] == 90 and report["val_samples"] == 10
+
+
+def test_best_validation_picks_the_highest_simulated_acceptance_length():
+    def record(epoch: int, acc: float) -> dict:
+        return {"epoch": epoch, "val": {"loss_epoch": 1.0, **{f"{m}_{k}_epoch": acc for m in ("full_acc", "cond_acc",
+                                                                                          "loss") for k in range(2)}}}
+
+    records = [record(0, 0.3), {"epoch": 0, "train": {}}, record(1, 0.6), record(2, 0.5), record(3, 0.6)]
+    assert best_validation(records, [0, 1, 2, 3]).epoch == 3  # a tie goes to the later epoch
+    assert best_validation(records, [0, 1, 2]).epoch == 1  # only epochs with a checkpoint
+    assert best_validation(records, [0, 1, 2]).acceptance_length == pytest.approx(1 + 0.6 + 0.36)
+    assert best_validation([{"epoch": 0, "train": {}}], [0]) is None
 
 
 def test_simulated_acceptance_length():

@@ -23,6 +23,8 @@ from common.prepared import load_prepared
 from common.speculative import (
     DraftProposer,
     Generation,
+    Proposal,
+    SamplingParams,
     SpeculativeStats,
     greedy_generate,
     speculative_generate,
@@ -39,6 +41,7 @@ K = 3
 DRAFT_VOCAB = 512
 SAMPLES = 100  # prepared samples of the script tests' run
 NEW_TOKENS = 32  # answer tokens the target writes per sample, and tokens decoded per prompt
+GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,10 +115,10 @@ def test_draft_chain_equals_the_training_forward(models):
         proposer.reset()
         cut = max(1, (i + 1) // 2)
         proposer.extend(ids[1:1 + cut], aux[:, :cut])
-        proposer.propose(K)  # a chain that verification would drop
+        proposer.propose(K, GREEDY)  # a chain that verification would drop
         if i + 1 > cut:
             proposer.extend(ids[1 + cut:i + 2], aux[:, cut:i + 1])
-        assert proposer.propose(K) == expected[i].tolist(), f"prefix of {i + 2} tokens"
+        assert proposer.propose(K, GREEDY).tokens == expected[i].tolist(), f"prefix of {i + 2} tokens"
     assert draft.layers[0].self_attn.config._attn_implementation == patch.ATTENTION_NAME  # restored
 
 
@@ -133,6 +136,9 @@ class OracleProposer:
         self.rng = random.Random(seed)
         self.reset()
 
+    def start(self, prompt: list[int]) -> None:
+        self.reset()
+
     def reset(self) -> None:
         self.position = 1  # next index of `sequence` the draft gets as verified context (x_0 never)
         self.aux: list[torch.Tensor] = []
@@ -143,9 +149,9 @@ class OracleProposer:
         self.position += token_ids.shape[0]
         self.aux.append(aux)
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, sampling: SamplingParams, generator=None) -> Proposal:
         truth = (self.sequence[self.position:] + [0] * k)[:k]
-        return [t if self.rng.random() < 0.75 else (t + 1) % 4096 for t in truth]
+        return Proposal([t if self.rng.random() < 0.75 else (t + 1) % 4096 for t in truth])
 
 
 @pytest.mark.parametrize("name", ["kimi", "flat"])
@@ -317,25 +323,60 @@ def test_script_reports_measured_and_offline_figures(eval_run, kimi_target, tmp_
         assert len(draft["generations"]) == 2 and all(g["text"] for g in draft["generations"])
         assert draft["tokens_generated"] == sum(len(g["tokens"]) for g in draft["generations"])
     assert "measured acceptance length" in proc.stdout and "simulated acceptance length" in proc.stdout
-    assert any(line.split() == ["draft", "reference"] for line in proc.stdout.splitlines())  # the table header
-    assert "no training split known" in proc.stdout  # an untrained draft has no 04 report beside it
+    header = ["draft", "reference", "n-gram", "untrained", "no", "speculation"]
+    assert any(line.split() == header for line in proc.stdout.splitlines())  # the table header
+    assert "no training split known" in proc.stdout  # an untrained draft has no 04 record beside it
+    assert report["temperature"] == 0.0
+    assert 0.0 <= report["degenerate_share"] <= 1.0 and 0.0 < report["distinct_ratio"] <= 1.0
+    for name in ("ngram", "untrained", "none"):
+        baseline = report["baselines"][name]
+        assert 1.0 <= baseline["measured_acceptance_length"] <= 1 + K and baseline["identical_to_greedy"] is True
+    assert report["baselines"]["none"]["measured_acceptance_length"] == 1.0
+
+
+def test_script_samples_at_a_temperature(eval_run, kimi_target, tmp_path):
+    """--temperature/--top-p: speculative sampling (equal to the target's distribution, see
+    tests/test_speculative.py), so outputs are not compared token by token with greedy decoding."""
+    out = tmp_path / "eval.json"
+    run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
+               "--draft", eval_run / "untrained", "--max-prompts", "2", "--max-new-tokens", "12",
+               "--temperature", "1.0", "--top-p", "0.9", "--json", out)
+    report = json.loads(out.read_text())
+    assert report["temperature"] == 1.0 and report["top_p"] == 0.9
+    assert report["identical_to_greedy"] is None
+    assert 1.0 <= report["measured_acceptance_length"] <= 1 + K
+    assert 1.0 <= report["baselines"]["ngram"]["measured_acceptance_length"] <= 1 + K
+    proc = run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
+                      "--draft", eval_run / "untrained", "--top-p", "0.5", check=False)
+    assert proc.returncode == 1 and "--top-p 0.5 needs --temperature > 0" in proc.stderr
 
 
 @pytest.mark.slow
 def test_trained_draft_accepts_more_than_an_untrained_one(eval_run, kimi_target):
-    """04 on the self-distilled run, then 05 against the untrained draft on 04's validation
-    prompts: the trained draft measures a higher acceptance length, close to its simulated one."""
+    """04 on the self-distilled run (exporting its best checkpoint), then 05 against the untrained
+    draft and the n-gram baseline on 04's validation rows: the trained draft measures a higher
+    acceptance length than both, below k + 1, close to its simulated one, on a target that
+    writes text rather than loops."""
     common = ["--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code"]
     run_script("04_train.py", *common, "--draft-config", TINY_CONFIG, "--epochs", "10", "--lr", "0.01",
                "--total-seq-len", "512", "--noise-std", "0", "--val-ratio", "0.2")
     out = eval_run / "eval.json"
     proc = run_script(SCRIPT, *common, "--reference", eval_run / "untrained", "--max-prompts", "8",
                       "--max-new-tokens", str(NEW_TOKENS), "--json", out)
-    trained, untrained = json.loads(out.read_text())["drafts"]
+    report = json.loads(out.read_text())
+    trained, untrained = report["drafts"]
     print(proc.stdout)
-    assert "04's validation split" in proc.stdout
+    assert "04's validation rows" in proc.stdout
+    split = json.loads((eval_run / "draft" / "validation_split.json").read_text())["validation_rows"]
+    assert {g["row"] for g in trained["generations"]} <= set(split)
+    train_report = json.loads((eval_run / "train_report.json").read_text())
+    best = train_report["best_validation"]
+    assert train_report["exported_checkpoint"].endswith(f"/{best['epoch']}")
     assert trained["identical_to_greedy"] and untrained["identical_to_greedy"]
+    assert trained["degenerate_share"] <= 0.1 and trained["distinct_ratio"] >= 0.5  # the target writes text
     assert trained["measured_acceptance_length"] > untrained["measured_acceptance_length"] + 0.05
+    assert trained["measured_acceptance_length"] > report["baselines"]["ngram"]["measured_acceptance_length"]
+    assert trained["measured_acceptance_length"] < 1 + K
     assert untrained["measured_acceptance_length"] < 1.02
     assert trained["measured_acceptance_length"] == pytest.approx(trained["simulated_acceptance_length"], abs=0.15)
 

@@ -9,8 +9,19 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, DeepseekV3ForCausalLM
 
-from common.fixtures import KIMI_NON_SPECIAL, KIMI_SPECIAL_TOKENS, main, write_kimi_target
+from common import fixtures
+from common.fixtures import (
+    DATA_DIR,
+    DEMO_CONVERSATIONS,
+    KIMI_NON_SPECIAL,
+    KIMI_SPECIAL_TOKENS,
+    fixture_key,
+    main,
+    write_kimi_target,
+)
 from common.int4_experts import PACKED_PARAMS
+from common.miniature_lm import LMSettings, corpus_files, greedy_continuations
+from common.speculative import distinct_ratio, longest_run, stop_token_ids
 from common.target import TargetError, load_target_info, load_text_model, read_tensors, weight_map
 
 
@@ -62,10 +73,43 @@ def test_kimi_weights_use_real_key_names_and_load_into_deepseek_v3(kimi_target):
 
 
 def test_kimi_target_is_deterministic(kimi_target, tmp_path):
-    again = write_kimi_target(tmp_path / "again")
+    """Two writes give the same weights (a short LM training: the full one is the cached target)."""
+    quick = LMSettings(steps=2, batch_size=2, seq_len=64)
+    first, again = (write_kimi_target(tmp_path / name, lm_settings=quick) for name in ("first", "again"))
     name = "language_model.model.layers.3.self_attn.q_a_proj.weight"
-    assert torch.equal(read_tensors(kimi_target, [name])[name], read_tensors(again, [name])[name])
+    assert torch.equal(read_tensors(first, [name])[name], read_tensors(again, [name])[name])
+    assert not torch.equal(read_tensors(first, [name])[name], read_tensors(kimi_target, [name])[name])
     assert (kimi_target / "tiktoken.model").read_text() == (again / "tiktoken.model").read_text()
+
+
+def test_cache_key_follows_the_corpus(tmp_path, monkeypatch):
+    key = fixture_key()
+    for path in corpus_files(DATA_DIR):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(fixtures, "DATA_DIR", tmp_path)
+    assert fixture_key() == key
+    (tmp_path / "demo_more.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert fixture_key() != key
+
+
+@pytest.mark.parametrize("kind", ["kimi", "flat"])
+def test_targets_write_text_not_loops(kind, request):
+    """Trained as small LMs on the demo corpus, the miniatures continue held-out-style prompts with
+    corpus-like text: at least 90% of greedy continuations repeat no token more than 4 times in
+    a row, and their distinct-token ratio is at least 0.5 (a random network loops on one token)."""
+    path = request.getfixturevalue(f"{kind}_target")
+    info = load_target_info(path, trust_remote_code=True)
+    model = load_text_model(info, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    records = [json.loads(line) for line in DEMO_CONVERSATIONS.read_text().splitlines()][-12:]
+    prompts = []
+    for record in records:  # each conversation up to its last assistant turn
+        last = max(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
+        prompts.append(tok.apply_chat_template(record["messages"][:last], add_generation_prompt=True, tokenize=True))
+    generations = greedy_continuations(model, prompts, 48, stop_token_ids(info.path, info.text_config))
+    looping = sum(longest_run(g) > 4 for g in generations) / len(generations)
+    distinct = sum(distinct_ratio(g) for g in generations) / len(generations)
+    assert looping <= 0.1 and distinct >= 0.5, (looping, distinct, [tok.decode(g) for g in generations[:3]])
 
 
 def test_kimi_tokenizer_is_slow_with_real_special_ids_and_chat_format(kimi_target):
@@ -181,6 +225,6 @@ def test_target_errors_name_the_folder(tmp_path, kimi_target):
 
 
 def test_fixtures_command_line(tmp_path, capsys):
-    assert main(["flat", str(tmp_path / "flat")]) == 0
+    assert main(["flat", str(tmp_path / "flat"), "--lm-steps", "2"]) == 0
     assert "wrote the flat miniature target" in capsys.readouterr().out
     assert (tmp_path / "flat" / "tokenizer.json").is_file()
