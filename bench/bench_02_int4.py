@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from common.fixtures import DEFAULT_CACHE, FIXTURE_VERSION, write_kimi_target  # noqa: E402
+from common.miniature_lm import LMSettings  # noqa: E402
 from common.int4_experts import PACKED_PARAMS, PackedLinear  # noqa: E402
 from common.target import load_target_info, load_text_model, weight_map  # noqa: E402
 
@@ -50,7 +51,9 @@ def ensure_variant(int4: bool) -> Path:
     if not (final / "config.json").exists():
         DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=DEFAULT_CACHE))
-        write_kimi_target(tmp, int4_experts=int4, text_overrides=EXPERTS_DOMINATE, num_shards=16)
+        # Few LM steps: this variant measures speed and memory, not what the model says.
+        write_kimi_target(tmp, int4_experts=int4, text_overrides=EXPERTS_DOMINATE, num_shards=16,
+                          lm_settings=LMSettings(steps=20))
         os.replace(tmp, final)
     return final
 

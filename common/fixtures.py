@@ -200,6 +200,19 @@ def _lm_trained_state(model: torch.nn.Module, tokenizer, settings: LMSettings) -
     return {name: tensor.detach().to(torch.bfloat16) for name, tensor in model.state_dict().items()}
 
 
+def _text_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The unquantized text weights of a Kimi miniature folder, without the `language_model.` prefix."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in sorted(Path(folder).glob("model-*.safetensors")):
+        state.update({k.removeprefix("language_model."): v for k, v in load_file(shard).items()
+                      if k.startswith("language_model.")})
+    if any(k.endswith("weight_packed") for k in state):
+        raise PipelineError(f"{folder}: its experts are already quantized; expected a kimi-bf16 miniature")
+    return state
+
+
 def _producible_ids(tokenizer) -> set[int]:
     """Every id the tokenizer can produce: its vocabulary (BPE ranks and added tokens)."""
     return {int(i) for i in tokenizer.get_vocab().values()}
@@ -207,12 +220,14 @@ def _producible_ids(tokenizer) -> set[int]:
 
 def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = True,
                       text_overrides: dict | None = None, num_shards: int = 4,
-                      lm_settings: LMSettings | None = None) -> Path:
+                      lm_settings: LMSettings | None = None, trained_from: Path | None = None) -> Path:
     """Write the Kimi-K2.5-shaped miniature target into `out_dir`: routed experts stored as
     Kimi-K2.5 stores them (compressed-tensors pack-quantized INT4, group 32), or in bf16 with
     `int4_experts=False` (for exact arithmetic). `text_overrides` changes text_config fields
     (the benchmarks' variant where experts dominate the weights); `lm_settings`: how its LM
-    training runs (default KIMI_LM)."""
+    training runs (default KIMI_LM). `trained_from`, a bf16 Kimi miniature written with the same
+    arguments, lends its trained text weights instead of training again (the LM training is
+    most of the cost; `ensure_target` quantizes the cached bf16 target this way)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from common.kimi_k25_code.configuration_kimi_k25 import KimiK25VisionConfig
@@ -261,7 +276,8 @@ def write_kimi_target(out_dir: str | Path, seed: int = 0, int4_experts: bool = T
     tokenizer = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
     torch.manual_seed(seed)
     text = DeepseekV3ForCausalLM(DeepseekV3Config(**text_config, attn_implementation="sdpa"))
-    trained = _lm_trained_state(text, tokenizer, replace(lm_settings or KIMI_LM, seed=seed))
+    trained = (_text_state(trained_from) if trained_from is not None
+               else _lm_trained_state(text, tokenizer, replace(lm_settings or KIMI_LM, seed=seed)))
     state = {f"language_model.{k}": v for k, v in trained.items()}
     del text, trained
     if int4_experts:  # a separate step on the finished weights, as a real checkpoint is quantized after training
@@ -330,7 +346,8 @@ def ensure_target(kind: str = "kimi", cache_dir: Path = DEFAULT_CACHE) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=cache_dir))
     try:
-        WRITERS[kind](tmp)
+        # The INT4 target is the bf16 one quantized: one LM training serves both.
+        WRITERS[kind](tmp, **({"trained_from": ensure_target("kimi-bf16", cache_dir)} if kind == "kimi" else {}))
         os.replace(tmp, final)
     except OSError:  # another process finished first
         if not (final / "config.json").exists():

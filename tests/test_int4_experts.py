@@ -210,10 +210,10 @@ def test_config_and_checkpoint_that_disagree_are_refused(kimi_target, tmp_path):
         load_text_model(load_target_info(broken))
 
 
-def test_bf16_variant_has_the_same_weights_before_quantization(kimi_target, tmp_path):
-    from common.fixtures import write_kimi_bf16_target
+def test_bf16_variant_has_the_same_weights_before_quantization(kimi_target):
+    from common.fixtures import ensure_target
 
-    bf16 = write_kimi_bf16_target(tmp_path / "bf16")
+    bf16 = ensure_target("kimi-bf16")
     assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())["text_config"]
     key = f"{EXPERT}.weight"
     weight = read_tensors(bf16, [key])[key]
