@@ -116,7 +116,7 @@ def main() -> None:
     print(f"{result['tokens_per_epoch']:,} tokens per epoch in {result['steps_per_epoch']} steps, "
           f"medians of {result['repeats']} repeats, {result['torch_threads']} torch thread(s)")
     print(f"data path: {result['data_path_tokens_per_s']:,.0f} tok/s, in memory: "
-          f"{result['in_memory_tokens_per_s']:,.0f} tok/s, ratio {result['ratio']:.3g} "
+          f"{result['in_memory_tokens_per_s']:,.0f} tok/s, ratio {result['ratio']:#.3g} "
           f"(goal >= 0.9: {'met' if result['ratio'] >= 0.9 else 'NOT met'}, checked unrounded)")
 
 

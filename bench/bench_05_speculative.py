@@ -108,8 +108,8 @@ def main() -> int:
     print(f"target {r['target']}, draft {r['draft']}: {r['prompts']} prompts, {r['tokens']:,} tokens, k = {r['k']}, "
           f"{torch.get_num_threads()} thread(s); held-out: {r['held_out']}")
     print(f"plain greedy {r['greedy_tokens_per_s']:.1f} tok/s, speculative {r['speculative_tokens_per_s']:.1f} tok/s: "
-          f"ratio {r['ratio']:.3g} (median of {r['repeats']}; {100 * r['degenerate_share']:.3g}% of the greedy "
-          f"generations loop, distinct-token ratio {r['distinct_ratio']:.3g}), acceptance length "
+          f"ratio {r['ratio']:#.3g} (median of {r['repeats']}; {100 * r['degenerate_share']:#.3g}% of the greedy "
+          f"generations loop, distinct-token ratio {r['distinct_ratio']:#.3g}), acceptance length "
           f"{r['acceptance_length']:.3f} (per-position acceptance {rates})")
     print(f"identical to greedy: {'yes' if r['identical_to_greedy'] else 'NO'}")
     return 0 if r["identical_to_greedy"] else 1

@@ -387,7 +387,7 @@ def summary_table(reports: list[DraftReport], k: int, plain: list[Generation] | 
                      [m and _finite(m.degenerate_share) for m in measured]))
         rows.append(("distinct-token ratio", [m and _finite(m.distinct_ratio) for m in measured]))
         rows.append(("tokens/s", [m and _finite(m.tokens_per_second) for m in measured]))
-        loops = f"{100 * degenerate_share(plain):.3g}% of plain generations loop" if plain else "loops unknown"
+        loops = f"{100 * degenerate_share(plain):#.3g}% of plain generations loop" if plain else "loops unknown"
         rows.append((f"speedup over plain decoding ({loops})", [m and _finite(m.speedup) for m in measured]))
     if any(offline):
         rows.append(("simulated acceptance length", [o.get("simulated_acceptance_length") for o in offline]))
