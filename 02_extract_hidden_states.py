@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--layer-ids", type=int, nargs="+", default=None, metavar="I",
                        help="three auxiliary layer ids, vLLM convention (default: 2 N//2 N-3)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="compute dtype (default: bf16 on GPU and with --engine vllm, fp32 on CPU); files are always bf16")
+                       help="compute dtype (default: bf16 on GPU and with --engine vllm, fp32 on CPU); "
+                            "files are always bf16")
     placement = model.add_mutually_exclusive_group()
     placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if present)")
     placement.add_argument("--device-map", choices=["auto"], default=None,
