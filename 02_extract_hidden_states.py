@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--layer-ids", type=int, nargs="+", default=None, metavar="I",
                        help="three auxiliary layer ids, vLLM convention (default: 2 N//2 N-3)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="compute dtype (default: bf16 on GPU, fp32 on CPU); files: see --storage")
+                       help="compute dtype (default: bf16 on GPU and with --engine vllm, fp32 on CPU); "
+                            "files: see --storage")
     placement = model.add_mutually_exclusive_group()
     placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if present)")
     placement.add_argument("--device-map", choices=["auto"], default=None,
@@ -136,6 +137,7 @@ def open_extractor(args: argparse.Namespace, info: TargetInfo, trust_remote_code
         yield StateExtractor(model, layer_ids, storage)
         return
     settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, args.tensor_parallel_size)
+    settings.dtype = str(dtype).removeprefix("torch.")
     scratch = f".vllm-states-{args.shard_index}-of-{args.num_shards}-"
     for stale in out.glob(scratch + "*"):  # left by a killed run of this shard
         shutil.rmtree(stale, ignore_errors=True)
@@ -159,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = resolve_device(args)
     check_placement_flags(args.device_map, args.max_memory)
     vllm_python = check_vllm_python(args.vllm_python) if args.engine == "vllm" else None
-    if vllm_python is not None:
-        dtype = torch.bfloat16  # vLLM runs the target in bf16 (its CPU kernels too)
+    if vllm_python is not None and args.dtype is None:
+        dtype = torch.bfloat16  # vLLM serves in bf16 (fp32 is slow on its CPU kernels)
 
     # 2. The prepared samples, refused if their ids do not fit the target's vocabulary.
     ds, report = load_prepared(prepared_dir)

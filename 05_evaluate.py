@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if vllm_python is not None:
         longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + k + 8
         base = EngineSettings.for_target(info, longest, trust_remote_code, args.tensor_parallel_size)
+        if args.dtype:  # else vLLM's bf16, whatever 05's own decoder uses
+            base.dtype = str(DTYPES[args.dtype]).removeprefix("torch.")
         served_plain, served = measure_with_vllm(vllm_python, base, [(p.sample_id, p.ids) for p in prompts],
                                                  draft_dirs,
                                           k, args.max_new_tokens, stop_ids)

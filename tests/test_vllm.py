@@ -70,7 +70,8 @@ def test_vllm_states_equal_hf_states(flat_run, flat_target):
     assert hf.keys() == vllm.keys() and len(hf) == 12
     for name, ours in vllm.items():
         theirs = hf[name]
-        assert torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["loss_mask"], theirs["loss_mask"])
+        assert torch.equal(ours["input_ids"], theirs["input_ids"])
+        assert torch.equal(ours["loss_mask"], theirs["loss_mask"])
         for a, b in zip(ours["hidden_states"], theirs["hidden_states"], strict=True):
             assert a.dtype == torch.bfloat16 and a.shape == b.shape
             # HF computes in fp32 here, vLLM in bf16 through 8 layers: a few bf16 steps (2^-8) of the
