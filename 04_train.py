@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from common import patch
+from common.checkpoints import check_resumable
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.distributed import setup_distributed, teardown_distributed
 from common.fingerprints import check_same_prepared
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = epoch_tokens(data, train_files, settings.total_seq_len)
     say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
         f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
+    if resume is not None:
+        check_resumable(resume, len(train_loader), world_size)
     if resume is not None and start_epoch < settings.epochs:
         say(f"resuming after {resume.describe(settings.epochs)}")
 
