@@ -455,8 +455,8 @@ class ProjectTrainer(Trainer):
 
 class EpochBatches:
     """What the library's `train_epoch` iterates in place of the training loader: it reads only
-    `batch_sampler` (to set the epoch) and iterates; the batches come from
-    `ProjectTrainer.epoch_batches`."""
+    `batch_sampler` (to set the epoch), iterates, and may take the length; the batches come
+    from `ProjectTrainer.epoch_batches`."""
 
     def __init__(self, trainer: ProjectTrainer, loader: DataLoader, epoch: int) -> None:
         self.trainer, self.loader, self.epoch = trainer, loader, epoch
@@ -464,6 +464,9 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[dict]:
         return self.trainer.epoch_batches(self.loader, self.epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 def trainer_config(settings: TrainSettings, checkpoints: Path, resume: bool, distributed: bool,
