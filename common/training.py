@@ -11,9 +11,9 @@ Training: the library's `Trainer`, subclassed to write checkpoints a resumed run
 exactly (fp32 state, RNG, data position; atomic; step checkpoints; mid-epoch resume: see
 common/checkpoints.py), to time each epoch and to report at its end. The sampler is subclassed
 only to start a pass after the batches a step checkpoint already trained. Its metric records
-(the `speculators.metrics` logger) go to a JSON-lines log (`MetricsLog`), one line per training step and one per validation pass; the
-plot, the closing summary and `train_report.json` are all read back from that log, so a
-resumed run reports on the whole training.
+(the `speculators.metrics` logger) go to a JSON-lines log (`MetricsLog`), one line per training
+step and one per validation pass; the plot, the closing summary and `train_report.json` are all
+read back from that log, so a resumed run reports on the whole training.
 """
 
 from __future__ import annotations
