@@ -8,7 +8,8 @@ draft in speculators' format (bf16, vLLM-loadable).
 Usage:
     python 04_train.py                                   # default target and runs/default
     python 04_train.py --data RUN/hidden_states --vocab RUN/vocab --target DIR --output RUN \
-        [--draft-config configs/draft_tiny.json] [--epochs 3] [--lr 2e-3] [--ttt-steps 3] [--save-every N] [--resume]
+        [--draft-config configs/draft_tiny.json] [--epochs 3] [--lr 2e-3] [--ttt-steps 3] [--save-every N]
+        [--resume]
     python 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN   # one GPU,
         # configs/draft_kimi_k25.json
     torchrun --nproc-per-node 8 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN
@@ -30,9 +31,9 @@ from pathlib import Path
 import torch
 
 from common import patch
+from common.checkpoints import check_resumable
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.distributed import setup_distributed, teardown_distributed
-from common.fingerprints import check_same_prepared
 from common.draft import (
     KIMI_CONFIG,
     TINY_CONFIG,
@@ -42,6 +43,7 @@ from common.draft import (
     read_config_file,
     speculator_config,
 )
+from common.fingerprints import check_same_prepared
 from common.target import load_target_info
 from common.training import (
     CHECKPOINTS,
@@ -104,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                "override the config file's, flags override both")
     for name, (kind, text) in TRAINING_FLAGS.items():
         training.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
-    training.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUTPUT (epoch or step)")
+    training.add_argument("--resume", action="store_true",
+                          help="continue from the latest checkpoint in OUTPUT (epoch or step)")
     training.add_argument("--device", default="auto",
                           help="cpu, cuda or cuda:N (default: cuda if available; torchrun: one GPU per rank)")
     training.add_argument("--no-compile", action="store_true",
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = epoch_tokens(data, train_files, settings.total_seq_len)
     say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
         f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
+    if resume is not None:
+        check_resumable(resume, len(train_loader), world_size)
     if resume is not None and start_epoch < settings.epochs:
         say(f"resuming after {resume.describe(settings.epochs)}")
 

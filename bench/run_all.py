@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_02_extract  # noqa: E402
+import bench_02_resume  # noqa: E402
 import bench_03_vocab  # noqa: E402
 import bench_04_train  # noqa: E402
 import bench_05_speculative  # noqa: E402
@@ -29,6 +30,7 @@ def rows(quick: bool, run_dir: Path) -> list[tuple[str, str, str, str, str]]:
     """(stage, ours, reference, ratio, goal) per benchmark."""
     repeats = 1 if quick else 3
     r2 = bench_02_extract.run(samples=60 if quick else 200, repeats=repeats)
+    r2r = bench_02_resume.run(samples=10_000 if quick else 100_000, repeats=repeats)
     r3 = bench_03_vocab.run(samples=2000 if quick else 20000, repeats=repeats)
     r4 = bench_04_train.run(samples=60 if quick else 200, repeats=repeats)
     r5 = bench_05_speculative.run(run_dir=run_dir, prompts=4 if quick else 8, repeats=repeats)
@@ -43,6 +45,8 @@ def rows(quick: bool, run_dir: Path) -> list[tuple[str, str, str, str, str]]:
          f"{r2['naive_state_bytes_per_token'] / r2['ours_state_bytes_per_token']:#.3g}x less",
          f"= {r2['expected_state_bytes_per_token']} (4 x hidden x 2)"),
         ("02 extract: forward share", f"{r2['forward_share']:.0%}", "-", "-", "limit 100%"),
+        (f"02 restart scan: seconds ({r2r['samples'] // 1000}K files)", f"{r2r['ours_seconds']:.2f} (journal)",
+         f"{r2r['reference_seconds']:.2f} (load each)", f"{r2r['ratio']:#.3g}x", f">= {bench_02_resume.GOAL:g}x"),
         ("03 vocab counting: seconds", f"{r3['ours_s']:.2f}", f"{r3['speculators_s']:.2f} (speculators)",
          f"{r3['speedup']:#.3g}x", goal(r3["speedup"], 10.0, ">= 10x")),
         ("04 training: tokens/s", f"{r4['data_path_tokens_per_s']:,.0f} (data path)",

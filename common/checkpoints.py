@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from common.atomic import read_json, write_json
+from common.errors import PipelineError
 
 STEPS = "steps"  # sub-folder of the checkpoints folder holding the step checkpoints
 STATE_FILE = "trainer_state.json"
@@ -47,6 +48,8 @@ class Position:
     batches_done: int  # batches of that epoch already trained (all of them in an epoch checkpoint)
     global_step: int  # optimizer steps taken since the start of the run (the next step's number)
     epoch_complete: bool  # an epoch checkpoint: training and validation of `epoch` are done
+    batches_per_epoch: int = 0  # per rank; with `world_size`, what a mid-epoch position means
+    world_size: int = 1
 
 
 @dataclass
@@ -73,6 +76,18 @@ class ResumePoint:
             return (f"step checkpoint {self.folder} (step {self.position.global_step:,}): "
                     f"epoch {self.epoch + 1} of {epochs}, after batch {self.skip_batches:,}")
         return f"checkpoint {self.folder}: epoch {self.epoch + 1} of {epochs}"
+
+
+def check_resumable(point: ResumePoint, batches_per_epoch: int, world_size: int) -> None:
+    """A position inside an epoch counts batches of one packing over one number of ranks: refuse
+    to resume it under another (changed --total-seq-len, data or rank count)."""
+    position = point.position
+    if not point.skip_batches or (position.batches_per_epoch, position.world_size) == (batches_per_epoch, world_size):
+        return
+    raise PipelineError(f"step checkpoint {point.folder} was taken with {position.batches_per_epoch:,} batches per "
+                        f"epoch on {position.world_size} rank(s), this run has {batches_per_epoch:,} on {world_size}; "
+                        "resume with the same data, --total-seq-len and rank count, or from the last epoch "
+                        "checkpoint (move checkpoints/steps aside)")
 
 
 def write_state(folder: Path, position: Position, rank: int) -> None:

@@ -25,6 +25,7 @@ disk, so the two files are consistent with the folder whenever they are written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -32,6 +33,7 @@ import shutil
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -269,14 +271,24 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.file = path.open("a", encoding="utf-8")
+        self.file: TextIO | None = path.open("a", encoding="utf-8")
 
     def add(self, index: int, file_bytes: int, digest: str) -> None:
-        self.file.write(f"{index} {file_bytes} {digest}\n")
-        self.file.flush()
+        if self.file is None:
+            return
+        try:
+            self.file.write(f"{index} {file_bytes} {digest}\n")
+            self.file.flush()
+        except OSError:
+            # A full disk. The journal only saves time on a restart, so it stops here and the run
+            # goes on; the next sample file that cannot be written stops the run, naming the disk.
+            self.close()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            with contextlib.suppress(OSError):  # a flush of what a full disk refused
+                self.file.close()
+            self.file = None
 
     def __enter__(self) -> Journal:
         return self

@@ -11,10 +11,10 @@ file-size estimate, and the folder is checked first for anything the dataset wou
 Training: the library's `Trainer`, subclassed to write checkpoints a resumed run continues from
 exactly (fp32 state, RNG, data position; atomic; step checkpoints; mid-epoch resume: see
 common/checkpoints.py), to time each epoch and to report at its end. The sampler is subclassed
-only to start a pass after the batches a step checkpoint already trained. Its metric records (the `speculators.metrics` logger) go to a
-JSON-lines log (`MetricsLog`), one line per training step and one per validation pass; the
-plot, the closing summary and `train_report.json` are all read back from that log, so a
-resumed run reports on the whole training.
+only to start a pass after the batches a step checkpoint already trained. Its metric records
+(the `speculators.metrics` logger) go to a JSON-lines log (`MetricsLog`), one line per training
+step and one per validation pass; the plot, the closing summary and `train_report.json` are all
+read back from that log, so a resumed run reports on the whole training.
 """
 
 from __future__ import annotations
@@ -421,13 +421,17 @@ class ProjectTrainer(Trainer):
                 self.save_step_checkpoint(epoch, done)
 
     def save_checkpoint(self, epoch: int) -> None:
-        self.save_staged(self.checkpointer.path, Position(epoch, len(self.train_loader), self.global_step, True))
+        self.save_staged(self.checkpointer.path, self.position(epoch, len(self.train_loader), True))
         if self.progress is not None:
             self.progress.epoch_done(epoch, self.train_seconds)
 
+    def position(self, epoch: int, batches_done: int, epoch_complete: bool) -> Position:
+        world_size = dist.get_world_size() if self.is_distributed else 1
+        return Position(epoch, batches_done, self.global_step, epoch_complete, len(self.train_loader), world_size)
+
     def save_step_checkpoint(self, epoch: int, batches_done: int) -> None:
         root = self.checkpointer.path
-        self.save_staged(root / checkpoints.STEPS, Position(epoch, batches_done, self.global_step, False))
+        self.save_staged(root / checkpoints.STEPS, self.position(epoch, batches_done, False))
         if self.rank == 0:
             checkpoints.prune_steps(root)
 
@@ -461,8 +465,8 @@ class ProjectTrainer(Trainer):
 
 class EpochBatches:
     """What the library's `train_epoch` iterates in place of the training loader: it reads only
-    `batch_sampler` (to set the epoch) and iterates; the batches come from
-    `ProjectTrainer.epoch_batches`."""
+    `batch_sampler` (to set the epoch), iterates, and may take the length; the batches come
+    from `ProjectTrainer.epoch_batches`."""
 
     def __init__(self, trainer: ProjectTrainer, loader: DataLoader, epoch: int) -> None:
         self.trainer, self.loader, self.epoch = trainer, loader, epoch
@@ -470,6 +474,9 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[dict]:
         return self.trainer.epoch_batches(self.loader, self.epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 def trainer_config(settings: TrainSettings, checkpoints: Path, resume: bool, distributed: bool,

@@ -544,6 +544,15 @@ def test_latest_checkpoint_is_the_furthest_step(tmp_path):
     assert checkpoints.numbered(root / "steps") == [40, 45]
 
 
+def test_mid_epoch_position_of_another_packing_is_refused(tmp_path):
+    folder = write_position(tmp_path / "steps" / "40", checkpoints.Position(1, 8, 40, False, 32, 2))
+    point = checkpoints.ResumePoint(folder, checkpoints.read_position(folder))
+    checkpoints.check_resumable(point, 32, 2)
+    with pytest.raises(PipelineError, match=r"step checkpoint .*40 was taken with 32 batches per epoch on 2 rank\(s\), "
+                                            r"this run has 16 on 4"):
+        checkpoints.check_resumable(point, 16, 4)
+
+
 def test_rng_state_round_trip(tmp_path):
     write_position(tmp_path / "c", checkpoints.Position(0, 1, 1, False))
     expected = torch.rand(3), random.random(), np.random.rand()
