@@ -5,10 +5,16 @@ the demo conversations) or on `--target`/`--input`:
 
     python bench/bench_02_fp8.py [--run-dir runs/bench-fp8] [--repeats 3] [--speed-samples 200]
         [--target DIR --trust-remote-code] [--input PATH ...] [--max-samples N] [--epochs N] [--max-prompts 40]
+        [--no-control] [--table-only]
+    # about 20 minutes on 2 shared CPU cores with the built-in target; figures in RUN_DIR/bench_fp8.json
 
 1. 01 and 03 once; 02 twice over the same prepared samples (`--storage bf16`, `--storage fp8`);
    04 and 05 on each folder with the same seed and settings (real subprocesses, the scripts'
-   defaults). Everything lands in RUN_DIR, which is emptied first.
+   defaults). Everything lands in RUN_DIR, which is emptied first. Then a control (skip with
+   `--no-control`): 04 and 05 again on the bf16 folder with the training noise 2% lower. How far
+   that moves the acceptance lengths is the noise floor of the comparison: a miniature that falls
+   into greedy loops makes the measured acceptance length swing by several percent between
+   drafts that differ by such a nudge, so read the fp8 row against the control row.
 2. In one process with the target loaded once: extraction of the first `--speed-samples` samples
    into a scratch folder, bf16 and fp8 alternately, `--repeats` times (medians: on a shared,
    noisy machine only a side-by-side ratio means something); and the relative error of the
@@ -71,6 +77,21 @@ def run_pipeline(run: Path, common: list[str], inputs: list[str], max_samples: i
                *(["--epochs", str(epochs)] if epochs else []))
         script("05_evaluate.py", *common, "--draft", out / "draft", "--data", out / "hidden_states",
                "--max-prompts", str(max_prompts), "--json", out / "eval.json")
+
+
+def run_control(run: Path, common: list[str], max_prompts: int) -> dict:
+    """04 and 05 once more on the bf16 folder with the training noise 2% lower: how far the
+    acceptance lengths move when only the training run is nudged (the comparison's noise floor)."""
+    noise = json.loads((run / "bf16" / "train_report.json").read_text())["settings"]["noise_std"] * 0.98
+    out = run / "control"
+    script("04_train.py", *common, "--data", run / "bf16" / "hidden_states", "--output", out,
+           "--noise-std", f"{noise:.6g}")
+    script("05_evaluate.py", *common, "--draft", out / "draft", "--data", run / "bf16" / "hidden_states",
+           "--max-prompts", str(max_prompts), "--json", out / "eval.json")
+    report = json.loads((out / "train_report.json").read_text())
+    evaluation = json.loads((out / "eval.json").read_text())
+    return {"noise_std": noise, "val_simulated_al": report["validation"]["acceptance_length"],
+            "measured_al": evaluation["measured_acceptance_length"]}
 
 
 def stage_figures(run: Path) -> dict[str, dict]:
@@ -142,7 +163,7 @@ def stored_error(model: torch.nn.Module, layer_ids: list[int], run: Path, ds) ->
 
 def run(run_dir: Path, target: Path | None = None, trust_remote_code: bool = False, inputs: list[str] | None = None,
         max_samples: int | None = None, epochs: int | None = None, repeats: int = 3,
-        speed_samples: int = 200, max_prompts: int = 40) -> dict:
+        speed_samples: int = 200, max_prompts: int = 40, control: bool = True) -> dict:
     common = ["--run-dir", str(run_dir)]
     if target is None:  # the scripts' built-in default, whose remote code is the project's own
         target, trust_remote_code = ensure_target("kimi"), True
@@ -154,6 +175,8 @@ def run(run_dir: Path, target: Path | None = None, trust_remote_code: bool = Fal
     run_pipeline(run_dir, common, inputs or [str(REPO_ROOT / "data" / "demo_conversations.jsonl")], max_samples,
                  epochs, max_prompts)
     figures = stage_figures(run_dir)
+    if control:
+        figures["control"] = run_control(run_dir, common, max_prompts)
     print("extraction speed and stored error (one process, target loaded once) ...", flush=True)
     info = load_target_info(target, trust_remote_code)
     model = load_text_model(info)
@@ -182,6 +205,13 @@ def rows(r: dict) -> list[tuple[str, str, str, str, str, str]]:
     def met(ok: bool) -> str:
         return "yes" if ok else "NO"
 
+    c = r.get("control")
+    control = [] if c is None else [
+        (f"control: bf16, noise_std {c['noise_std']:.3g}: val sim. AL", f"{b['val_simulated_al']:.4f}",
+         f"{c['val_simulated_al']:.4f} (ctl)", f"{c['val_simulated_al'] / b['val_simulated_al']:#.3g}",
+         "noise floor", "-"),
+        (f"control: bf16, noise_std {c['noise_std']:.3g}: measured AL", f"{b['measured_al']:.4f}",
+         f"{c['measured_al']:.4f} (ctl)", f"{c['measured_al'] / b['measured_al']:#.3g}", "noise floor", "-")]
     return [
         ("hidden-state bytes/token (incl. scales)", f"{b['state_bytes_per_token']:,}",
          f"{f['state_bytes_per_token']:,}", f"{ratio('state_bytes_per_token'):#.3g}", f"<= {MAX_BYTES_RATIO}",
@@ -196,6 +226,7 @@ def rows(r: dict) -> list[tuple[str, str, str, str, str, str]]:
          f"{ratio('offline_simulated_al'):#.3g}", "-", "-"),
         ("05 measured AL", f"{b['measured_al']:.4f}", f"{f['measured_al']:.4f}", f"{ratio('measured_al'):#.3g}",
          "within 1%", met(within("measured_al"))),
+        *control,
         ("05 identical to greedy", str(b["identical_to_greedy"]), str(f["identical_to_greedy"]), "-", "both",
          met(b["identical_to_greedy"] and f["identical_to_greedy"])),
         ("02 extraction tokens/s (paired ratio)", f"{b['tokens_per_s']:,.0f}", f"{f['tokens_per_s']:,.0f}",
@@ -220,6 +251,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="extraction speed repeats (default: %(default)s)")
     parser.add_argument("--speed-samples", type=int, default=200,
                         help="samples extracted per speed repeat and checked for error (default: %(default)s)")
+    parser.add_argument("--no-control", action="store_true",
+                        help="skip the control run (04 + 05 on bf16 with the training noise 2%% lower)")
     parser.add_argument("--table-only", action="store_true", help="print the table of RUN_DIR/bench_fp8.json again")
     args = parser.parse_args()
     figures = args.run_dir / "bench_fp8.json"
@@ -227,7 +260,7 @@ def main() -> int:
         return print_table(json.loads(figures.read_text()))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     r = run(args.run_dir, args.target, args.trust_remote_code, args.input, args.max_samples, args.epochs,
-            args.repeats, args.speed_samples, args.max_prompts)
+            args.repeats, args.speed_samples, args.max_prompts, not args.no_control)
     figures.write_text(json.dumps(r, indent=2))
     print(f"figures: {figures}")
     return print_table(r)
