@@ -345,7 +345,7 @@ def check_output_folder(root: Path, config: DataConfig) -> None:
         for key, ours in config.identity().items():
             if theirs[key] != ours:
                 raise PipelineError(
-                    f"output folder {root} holds hidden states of another target, layer or storage choice "
+                    f"output folder {root} holds hidden states of another target or layer or storage choice "
                     f"({key} {theirs[key]} in {source.name}, {ours} now); use another --output or delete the folder")
     if not found_any and any(root.rglob("data_*.pt")):
         raise PipelineError(f"output folder {root} holds data files but no {DATA_CONFIG}: it was not written by "
