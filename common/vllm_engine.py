@@ -130,6 +130,7 @@ class VllmWorker:
 
     def __init__(self, python: Path, settings: EngineSettings) -> None:
         self.settings = settings
+        self.failed = False  # the log is kept (and named in the error) only after a failure
         self.log = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self._log_file: IO[str] = self.log.open("w")
         start = time.perf_counter()
@@ -153,6 +154,7 @@ class VllmWorker:
         line = self.proc.stdout.readline()
         answer = json.loads(line) if line.strip() else {"ok": False, "error": "the engine process ended"}
         if not answer.get("ok"):
+            self.failed = True
             self.close()
             cause = _log_cause(self.log)
             detail = answer.get("error", "")
@@ -171,11 +173,14 @@ class VllmWorker:
                 os.killpg(self.proc.pid, 9)  # its own session: the engine's spawned processes too
                 self.proc.wait()
         self._log_file.close()
+        if not self.failed:
+            self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> VllmWorker:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_exc) -> None:
+        self.failed = self.failed or exc_type is not None
         self.close()
 
 

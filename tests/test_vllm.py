@@ -130,6 +130,7 @@ def test_draft_vllm_refuses_is_one_line(flat_run, flat_target, tmp_path):
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: vLLM serving") and str(draft) in last and "log: " in last, proc.stderr
+    assert Path(last.rsplit("log: ", 1)[1]).is_file()  # kept for the details
 
 
 def fake_python(folder: Path, version: str) -> Path:
