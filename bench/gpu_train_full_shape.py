@@ -34,7 +34,7 @@ from common.training import TrainSettings, trainer_config  # noqa: E402
 from common.vocab import build_maps  # noqa: E402
 
 WARMUP_STEPS = 2
-# Kimi-K2.5's text config (DESIGN.md), flat, as the draft sees it; hidden size from the draft config.
+# Kimi-K2.5's text config (README, "Kimi-K2.5 on an 8-GPU host"), flat, as the draft sees it; hidden size from the draft config.
 STANDIN_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
     "num_attention_heads": 64, "vocab_size": KIMI_VOCAB_SIZE, "rms_norm_eps": 1e-5,

@@ -40,7 +40,7 @@ from common.int4_experts import (  # noqa: E402
     replace_with_packed,
 )
 
-# Kimi-K2.5's text_config where it differs from the miniature's (DESIGN.md, "Kimi-K2.5 facts").
+# Kimi-K2.5's text_config where it differs from the miniature's (its published config.json).
 KIMI_K25_SHAPE = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
                   "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
                   "n_routed_experts": 384, "num_experts_per_tok": 8, "q_lora_rank": 1536,

@@ -1,6 +1,6 @@
 """The hidden-state folder written by step 02 and read by step 04.
 
-Layout (speculators' v1 sample format, see DESIGN.md):
+Layout (speculators' v1 sample format; every field in docs/FILES.md):
 
     OUT/00000/data_0.pt ... OUT/00049/data_499999.pt   one file per prepared row i, grouped
                                                       by i // 10000 to keep folders small

@@ -1,7 +1,7 @@
 """Capturing a target's hidden states for EAGLE-3 training (step 02).
 
 Only four states are kept: three auxiliary layers and the post-norm final state. Layer id i
-(vLLM convention, DESIGN.md) is HF `hidden_states[i]`, the output of decoder layer i-1; a
+(vLLM convention, docs/FILES.md) is HF `hidden_states[i]`, the output of decoder layer i-1; a
 forward hook on that layer keeps it. The final state is the output of the base model
 (`model.model`, its final norm applied), so the 163840-wide logits are never computed and
 `output_hidden_states` (all N+1 layers of a long batch held at once) is never used.

@@ -51,7 +51,7 @@ class TargetInfo:
         return bool(self.weight_prefix)
 
     def default_layer_ids(self) -> list[int]:
-        """EAGLE-3's auxiliary layers `[2, N//2, N-3]` in the vLLM convention (see DESIGN.md)."""
+        """EAGLE-3's auxiliary layers `[2, N//2, N-3]` in the vLLM convention (see docs/FILES.md)."""
         n = self.num_layers
         return [2, n // 2, n - 3]
 
