@@ -32,6 +32,9 @@ from common.errors import PipelineError
 from common.regenerate import RegenerateOptions, regenerate, sampling_defaults, summary_lines
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as 05
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -63,13 +66,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="keep a conversation whose first prompt is too long as is (default: drop)")
     model = parser.add_argument_group("model")
     model.add_argument("--device", default=None, help="hf engine (default: cuda if available, else cpu)")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                       help="hf engine weights (default: bfloat16 on a GPU, float32 on the CPU)")
     model.add_argument("--vllm-python", type=Path, default=None,
                        help="vllm engine: the vLLM environment's python (default: .venv-vllm/bin/python)")
     model.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine (default: %(default)s)")
     return parser.parse_args(argv)
 
 
-def build_options(args: argparse.Namespace, target: Path) -> RegenerateOptions:
+def prompt_limit(args: argparse.Namespace, target: Path, trust_remote_code: bool) -> int:
+    """--max-prompt-len, lowered so that prompt + --max-new-tokens fit the target's positions."""
+    from common.target import load_target_info
+
+    positions = getattr(load_target_info(target, trust_remote_code).text_config, "max_position_embeddings", None)
+    if positions is None:
+        return args.max_prompt_len
+    if args.max_new_tokens >= positions:
+        raise PipelineError(f"--max-new-tokens {args.max_new_tokens}: the target holds {positions:,} positions in all")
+    return min(args.max_prompt_len, positions - args.max_new_tokens)
+
+
+def build_options(args: argparse.Namespace, target: Path, trust_remote_code: bool) -> RegenerateOptions:
     temperature, top_p = sampling_defaults(target)
     if args.temperature is not None:
         temperature = args.temperature
@@ -81,7 +98,8 @@ def build_options(args: argparse.Namespace, target: Path) -> RegenerateOptions:
         inputs=args.input or default_input(), target=target, output=stage_dir(args, "regenerated", args.output),
         temperature=temperature, top_p=top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
         max_samples=args.max_samples, num_shards=args.num_shards, shard_index=args.shard_index,
-        part_size=args.part_size, batch_size=args.batch_size, max_prompt_len=args.max_prompt_len,
+        part_size=args.part_size, batch_size=args.batch_size,
+        max_prompt_len=prompt_limit(args, target, trust_remote_code),
         thinking=not args.no_thinking, keep_cut=args.keep_cut, keep_too_long=args.keep_too_long, engine=args.engine)
 
 
@@ -93,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the target, the inputs, the settings (checked before anything is loaded)
     target, trust_remote_code = resolve_target(args)
-    options = build_options(args, target)
+    options = build_options(args, target, trust_remote_code)
     options.check()
     mode = "greedy" if options.temperature == 0 else f"temperature {options.temperature}, top-p {options.top_p}"
     print(f"target {target}, engine {options.engine}, {mode}, up to {options.max_new_tokens:,} new tokens per turn, "
@@ -102,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     # 2. the tokenizer and the engine
     tokenizer = load_tokenizer(target, trust_remote_code)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with open_engine(options, tokenizer, trust_remote_code, device, args.vllm_python,
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    with open_engine(options, tokenizer, trust_remote_code, device, dtype, args.vllm_python,
                      args.tensor_parallel_size) as engine:
         # 3. regenerate part by part (finished parts are skipped)
         report = regenerate(options, tokenizer, engine)

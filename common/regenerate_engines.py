@@ -75,7 +75,7 @@ class VllmGenerateEngine:
 
 
 @contextmanager
-def open_engine(options: RegenerateOptions, tokenizer, trust_remote_code: bool, device: str,
+def open_engine(options: RegenerateOptions, tokenizer, trust_remote_code: bool, device: str, dtype: torch.dtype,
                 vllm_python: Path | None, tensor_parallel_size: int) -> Iterator[Engine]:
     """The engine of `options.engine`, loaded once and closed on leaving."""
     from common.speculative import stop_token_ids
@@ -86,7 +86,7 @@ def open_engine(options: RegenerateOptions, tokenizer, trust_remote_code: bool, 
     if options.engine == "vllm":
         from common.vllm_engine import EngineSettings, VllmWorker, check_vllm_python
 
-        settings = EngineSettings.for_target(info, options.max_prompt_len + options.max_new_tokens + 8,
+        settings = EngineSettings.for_target(info, options.max_prompt_len + options.max_new_tokens,
                                              trust_remote_code, tensor_parallel_size)
         with VllmWorker(check_vllm_python(vllm_python), settings) as worker:
             print(f"vLLM {worker.version} started in {worker.start_seconds:.1f}s")
@@ -94,7 +94,6 @@ def open_engine(options: RegenerateOptions, tokenizer, trust_remote_code: bool, 
         return
     from common.hidden_states import load_target_model
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = load_target_model(info, dtype, device, None, logits=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     yield HfEngine(model, stop_ids, pad_id, options.temperature, options.top_p, options.batch_size)
