@@ -29,6 +29,7 @@ import torch
 
 from common.cli import add_run_args, default_input, resolve_target, run_main, stage_dir
 from common.errors import PipelineError
+from common.vllm_engine import add_engine_args
 from common.regenerate import RegenerateOptions, regenerate, sampling_defaults, summary_lines
 
 
@@ -49,8 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--part-size", type=int, default=256,
                       help="input records per output file, the unit of resume (default: %(default)s)")
     gen = parser.add_argument_group("generation")
-    gen.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                     help="hf: transformers in this process; vllm: a vLLM engine (default: %(default)s)")
     gen.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant turn (default: %(default)s)")
     gen.add_argument("--max-prompt-len", type=int, default=4096,
                      help="a turn whose prompt is longer is not regenerated (default: %(default)s)")
@@ -68,9 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--device", default=None, help="hf engine (default: cuda if available, else cpu)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="hf engine weights (default: bfloat16 on a GPU, float32 on the CPU)")
-    model.add_argument("--vllm-python", type=Path, default=None,
-                       help="vllm engine: the vLLM environment's python (default: .venv-vllm/bin/python)")
-    model.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm engine (default: %(default)s)")
+    add_engine_args(parser, "generate")
     return parser.parse_args(argv)
 
 
