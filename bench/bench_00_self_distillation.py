@@ -2,7 +2,7 @@
 original answers of the same conversations, same settings, measured by 05 at temperature 0 and 1.
 
     python bench/bench_00_self_distillation.py [--out bench/out/self_distillation] [--target DIR]
-        [--max-samples 580] [--max-new-tokens 256] [--epochs 10] [--max-prompts 32] [--max-new 64]
+        [--max-samples N] [--max-new-tokens 256] [--epochs 3] [--max-prompts 20] [--max-new 64]
 
 1. 00 regenerates the demo conversations with the target (greedy unless its generation config
    says otherwise) into OUT/regenerated/regenerated/.
@@ -59,8 +59,8 @@ def main() -> int:
     parser.add_argument("--target", type=Path, default=None, help="default: the built-in Kimi-style miniature")
     parser.add_argument("--max-samples", type=int, default=None, help="first N demo records (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="00, per turn")
-    parser.add_argument("--epochs", type=int, default=10, help="04")
-    parser.add_argument("--max-prompts", type=int, default=32, help="05")
+    parser.add_argument("--epochs", type=int, default=3, help="04 (its default)")
+    parser.add_argument("--max-prompts", type=int, default=20, help="05")
     parser.add_argument("--max-new", type=int, default=64, help="05's --max-new-tokens")
     args = parser.parse_args()
     target = args.target or ensure_target("kimi")
