@@ -2,7 +2,7 @@
 original answers of the same conversations, same settings, measured by 05 at temperature 0 and 1.
 
     python bench/bench_00_self_distillation.py [--out bench/out/self_distillation] [--target DIR]
-        [--max-samples N] [--max-new-tokens 256] [--epochs 3] [--max-prompts 20] [--max-new 64]
+        [--max-samples N] [--max-new-tokens 256] [--temperature T] [--epochs N] [--draft-config FILE] [--max-prompts 20] [--max-new 64]
 
 1. 00 regenerates the demo conversations with the target (greedy unless its generation config
    says otherwise) into OUT/regenerated/regenerated/.
@@ -27,7 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.fixtures import ensure_target  # noqa: E402
 from common.conversations import iter_records, resolve_inputs  # noqa: E402
 
 DEMO = sorted((ROOT / "data").glob("demo_*.jsonl"))
@@ -59,17 +58,21 @@ def main() -> int:
     parser.add_argument("--target", type=Path, default=None, help="default: the built-in Kimi-style miniature")
     parser.add_argument("--max-samples", type=int, default=None, help="first N demo records (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="00, per turn")
-    parser.add_argument("--epochs", type=int, default=3, help="04 (its default)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="00's sampling (default: the target's generation_config.json: greedy for the miniature)")
+    parser.add_argument("--draft-config", type=Path, default=None, help="04 (default: its own for the target)")
+    parser.add_argument("--epochs", type=int, default=None, help="04 (default: the draft config's)")
     parser.add_argument("--max-prompts", type=int, default=20, help="05")
     parser.add_argument("--max-new", type=int, default=64, help="05's --max-new-tokens")
     args = parser.parse_args()
-    target = args.target or ensure_target("kimi")
     out = args.out
-    common = ["--target", target, "--trust-remote-code"]
+    # the built-in target: no --target, so every stage takes its defaults for it (as the main job)
+    common = [] if args.target is None else ["--target", args.target, "--trust-remote-code"]
 
     # 1. the target's own answers
     regen_run = out / "regenerated"
     limit = ["--max-samples", args.max_samples] if args.max_samples else []
+    limit += ["--temperature", args.temperature] if args.temperature is not None else []
     step("00_regenerate.py", *common, "--run-dir", regen_run, "--max-new-tokens", args.max_new_tokens, *limit)
     # 2. the same conversations with their original answers
     n = original_of_kept(regen_run / "regenerated", out / "original_inputs.jsonl")
@@ -81,7 +84,9 @@ def main() -> int:
         step("01_prepare_data.py", *run, "--input", data)
         step("02_extract_hidden_states.py", *run)
         step("03_build_vocab_map.py", *run)
-        step("04_train.py", *run, "--epochs", args.epochs)
+        train = [*(["--epochs", args.epochs] if args.epochs else []),
+                 *(["--draft-config", args.draft_config] if args.draft_config else [])]
+        step("04_train.py", *run, *train)
     splits = [json.loads((out / arm / "draft" / "validation_split.json").read_text())["validation_rows"]
               for arm in inputs]
     if splits[0] != splits[1]:
