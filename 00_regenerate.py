@@ -22,15 +22,14 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
 from common.cli import add_run_args, default_input, resolve_target, run_main, stage_dir
 from common.errors import PipelineError
-from common.vllm_engine import add_engine_args
 from common.regenerate import RegenerateOptions, regenerate, sampling_defaults, summary_lines
+from common.vllm_engine import add_engine_args
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as 05
@@ -58,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument("--top-p", type=float, default=None, help="(default: the target's generation_config.json)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     gen.add_argument("--batch-size", type=int, default=8, help="hf engine: prompts per forward (default: %(default)s)")
-    gen.add_argument("--no-thinking", action="store_true", help="instant-mode generation prompt (Kimi: <think></think>)")
+    gen.add_argument("--no-thinking", action="store_true",
+                     help="instant-mode generation prompt (Kimi: <think></think>)")
     gen.add_argument("--keep-cut", action="store_true",
                      help="keep a generation cut at --max-new-tokens as the conversation's last turn (default: drop)")
     gen.add_argument("--keep-too-long", action="store_true",

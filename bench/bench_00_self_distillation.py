@@ -2,7 +2,8 @@
 original answers of the same conversations, same settings, measured by 05 at temperature 0 and 1.
 
     python bench/bench_00_self_distillation.py [--out bench/out/self_distillation] [--target DIR]
-        [--max-samples N] [--max-new-tokens 256] [--temperature T] [--epochs N] [--draft-config FILE] [--max-prompts 20] [--max-new 64]
+        [--max-samples N] [--max-new-tokens 256] [--temperature T] [--epochs N] [--draft-config FILE]
+        [--max-prompts 20] [--max-new 64]
 
 1. 00 regenerates the demo conversations with the target (greedy unless its generation config
    says otherwise) into OUT/regenerated/regenerated/.

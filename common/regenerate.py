@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 from tqdm import tqdm
 
 from common.assistant_output import THINK_OPEN, MalformedToolCall, parse_assistant_text
@@ -46,7 +45,7 @@ from common.loss_mask import INSTANT_MODE
 
 __all__ = [
     "RegenerateOptions", "Completion", "Engine", "sampling_defaults", "regenerate", "part_name",
-    "report_name", "summary_lines", "JOURNAL_DIR",
+    "report_name", "summary_lines", "JOURNAL_DIR", "TurnRegenerator", "PartStats",
 ]
 
 JOURNAL_DIR = ".journal"

@@ -39,7 +39,8 @@ SETTINGS = dict(temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW, max_samples=
 
 def script_args(target: Path, output: Path) -> list[str | Path]:
     """The command line of SETTINGS (the resume test compares with the in-process run)."""
-    return ["--target", target, "--trust-remote-code", "--output", output, "--max-new-tokens", MAX_NEW, "--max-samples", SAMPLES,
+    return ["--target", target, "--trust-remote-code", "--output", output, "--max-new-tokens", MAX_NEW,
+            "--max-samples", SAMPLES,
             "--part-size", 2, "--batch-size", 3, "--keep-cut", "--temperature", 0]
 
 
@@ -191,8 +192,8 @@ def test_generation_is_split_into_reasoning_content_and_tool_calls():
             '<|tool_call_argument_begin|>{"query": "tides"}<|tool_call_end|><|tool_calls_section_end|>')
     parsed = parse_assistant_text(text, starts_in_thinking=True)
     assert parsed.closed_thinking
-    assert parsed.message == Message("assistant", "Searching.", "Look it up.",
-                                     tool_calls=(ToolCall("functions.search_web:0", "search_web", '{"query": "tides"}'),))
+    call = ToolCall("functions.search_web:0", "search_web", '{"query": "tides"}')
+    assert parsed.message == Message("assistant", "Searching.", "Look it up.", tool_calls=(call,))
     assert parse_assistant_text("<think>\nr\n</think>\n\nHi", False).message == Message("assistant", "Hi", "r")
     cut = parse_assistant_text("still thinking", True)
     assert not cut.closed_thinking and cut.message.content == ""
@@ -257,7 +258,8 @@ def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_p
                env=ONE_THREAD)
     hf, served = read_output(tmp_path / "hf"), read_output(tmp_path / "vllm")
     assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
-    turns = [(a, b) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"]) if a["role"] == "assistant"]
+    turns = [(a, b) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
+             if a["role"] == "assistant"]
     differ = [(a, b) for a, b in turns if a != b]
     assert len(differ) <= len(turns) // 10, differ
     report = json.loads((tmp_path / "vllm" / "regenerate_report.json").read_text())
