@@ -68,7 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="hf engine weights (default: bfloat16 on a GPU, float32 on the CPU)")
     add_engine_args(parser, "generate")
-    return parser.parse_args(argv)
+    parser.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="--engine vllm: a running vLLM server (`vllm serve TARGET`, e.g. http://host:8000) "
+                             "instead of starting one")
+    parser.add_argument("--max-in-flight", type=int, default=256,
+                        help="--vllm-url: requests sent at once (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.vllm_url and args.engine != "vllm":
+        raise PipelineError(f"--vllm-url {args.vllm_url} needs --engine vllm")
+    if args.max_in_flight < 1:
+        raise PipelineError(f"--max-in-flight {args.max_in_flight}: must be at least 1")
+    return args
 
 
 def prompt_limit(args: argparse.Namespace, target: Path, trust_remote_code: bool) -> int:
@@ -119,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     with open_engine(options, tokenizer, trust_remote_code, device, dtype, args.vllm_python,
-                     args.tensor_parallel_size) as engine:
+                     args.tensor_parallel_size, args.vllm_url, args.max_in_flight) as engine:
         # 3. regenerate part by part (finished parts are skipped)
         report = regenerate(options, tokenizer, engine)
 

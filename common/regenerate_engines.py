@@ -1,19 +1,26 @@
-"""The engines step 00 generates with: the target in this process (transformers, batched) or a
-vLLM engine in its own environment (`common.vllm_engine`'s worker, every prompt of a round in
-flight at once). Both take token-id prompts and return each generation cut at the first stop
-token, with whether it stopped or hit the token limit."""
+"""The engines step 00 generates with: the target in this process (transformers, batched), a
+vLLM engine it starts in vLLM's own environment (`common.vllm_engine`'s worker, every prompt of a
+round in flight at once), or a running vLLM server given by URL (its OpenAI completions API, token
+ids in and out, `--max-in-flight` requests at once). Each takes token-id prompts and returns each
+generation cut at the first stop token, with whether it stopped or hit the token limit."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from common.errors import PipelineError
 from common.regenerate import Completion, Engine, RegenerateOptions
 
-__all__ = ["HfEngine", "VllmGenerateEngine", "open_engine"]
+__all__ = ["HfEngine", "VllmGenerateEngine", "VllmServerEngine", "open_engine"]
+REQUEST_TIMEOUT = 3600  # seconds for one completion (a long thinking answer on a busy server)
 
 
 def _completion(tokens: list[int], stop_ids: set[int], stopped: bool | None = None) -> Completion:
@@ -74,15 +81,59 @@ class VllmGenerateEngine:
                 zip(answer["outputs"], answer["stopped"])]
 
 
+class VllmServerEngine:
+    """A vLLM server started by the user (`vllm serve TARGET ...`): `/v1/completions` with the
+    prompt as token ids, `return_token_ids` for the generated ids, one request per prompt (seed
+    + i), up to `max_in_flight` at once so the server batches them."""
+
+    def __init__(self, url: str, stop_ids: set[int], temperature: float, top_p: float, max_in_flight: int):
+        self.url, self.stop_ids, self.max_in_flight = url.rstrip("/"), stop_ids, max_in_flight
+        self.temperature, self.top_p = temperature, top_p
+        models = self._call("/v1/models", None).get("data") or []
+        if not models:
+            raise PipelineError(f"--vllm-url {self.url}: the server lists no model")
+        self.model = models[0]["id"]
+
+    def _call(self, path: str, body: dict | None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            raise PipelineError(f"--vllm-url {self.url}{path}: HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise PipelineError(f"--vllm-url {self.url}{path}: {e}") from e
+
+    def _one(self, prompt: list[int], max_new_tokens: int, seed: int) -> Completion:
+        answer = self._call("/v1/completions", {
+            "model": self.model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "seed": seed, "stop_token_ids": sorted(self.stop_ids), "return_token_ids": True,
+            "skip_special_tokens": False})
+        choice = answer["choices"][0]
+        if choice.get("token_ids") is None:
+            raise PipelineError(f"--vllm-url {self.url}: the server returns no token ids (vLLM 0.11 or later needed)")
+        return _completion(list(choice["token_ids"]), self.stop_ids, choice.get("finish_reason") == "stop")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[Completion]:
+        with ThreadPoolExecutor(max_workers=min(self.max_in_flight, max(len(prompts), 1))) as pool:
+            return list(pool.map(lambda ip: self._one(ip[1], max_new_tokens, seed + ip[0]), enumerate(prompts)))
+
+
 @contextmanager
 def open_engine(options: RegenerateOptions, tokenizer, trust_remote_code: bool, device: str, dtype: torch.dtype,
-                vllm_python: Path | None, tensor_parallel_size: int) -> Iterator[Engine]:
+                vllm_python: Path | None, tensor_parallel_size: int, vllm_url: str | None = None,
+                max_in_flight: int = 256) -> Iterator[Engine]:
     """The engine of `options.engine`, loaded once and closed on leaving."""
     from common.speculative import stop_token_ids
     from common.target import load_target_info
 
     info = load_target_info(options.target, trust_remote_code)
     stop_ids = stop_token_ids(info.path, info.text_config)
+    if options.engine == "vllm" and vllm_url:
+        yield VllmServerEngine(vllm_url, stop_ids, options.temperature, options.top_p, max_in_flight)
+        return
     if options.engine == "vllm":
         from common.vllm_engine import EngineSettings, VllmWorker, check_vllm_python
 

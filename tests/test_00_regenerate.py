@@ -245,22 +245,70 @@ def vllm_python() -> Path:
     pytest.skip(f"no vLLM environment at {DEFAULT_VLLM_PYTHON} (bash scripts/setup_vllm_env.sh)")
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_python, flat_target, tmp_path):
-    """Both engines in bf16 on the flat miniature, greedy: the same conversations, turns and texts
-    (vLLM's CPU kernels and transformers' differ in rounding; a near-tie may break differently, so
-    at most one turn in ten may differ, and only after a common start)."""
-    common = ["--target", flat_target, "--max-new-tokens", 32, "--max-samples", 10, "--temperature", 0,
-              "--keep-cut", "--dtype", "bf16"]
-    run_script(SCRIPT, *common, "--output", tmp_path / "hf", env=ONE_THREAD)
-    run_script(SCRIPT, *common, "--output", tmp_path / "vllm", "--engine", "vllm", "--vllm-python", vllm_python,
-               env=ONE_THREAD)
-    hf, served = read_output(tmp_path / "hf"), read_output(tmp_path / "vllm")
+VLLM_COMMON = ["--max-new-tokens", 32, "--max-samples", 10, "--temperature", 0, "--keep-cut", "--dtype", "bf16",
+               "--max-prompt-len", 480]
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(flat_target, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("hf_bf16") / "out"
+    run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, env=ONE_THREAD)
+    return read_output(out)
+
+
+def assert_same_turns(hf: list[dict], served: list[dict]) -> None:
+    """vLLM's CPU kernels and transformers' differ in rounding: a near-tie may break differently,
+    so at most one turn in ten may differ."""
     assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
     turns = [(a, b) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
              if a["role"] == "assistant"]
     differ = [(a, b) for a, b in turns if a != b]
     assert len(differ) <= len(turns) // 10, differ
-    report = json.loads((tmp_path / "vllm" / "regenerate_report.json").read_text())
-    assert report["settings"]["engine"] == "vllm" and report["generations"] >= len(turns)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_python, flat_target, hf_bf16,
+                                                                         tmp_path):
+    """Both engines in bf16 on the flat miniature, greedy: the same conversations, turns and texts."""
+    run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", tmp_path, "--engine", "vllm",
+               "--vllm-python", vllm_python, env=ONE_THREAD)
+    assert_same_turns(hf_bf16, read_output(tmp_path))
+    report = json.loads((tmp_path / "regenerate_report.json").read_text())
+    assert report["settings"]["engine"] == "vllm" and report["generations"] >= 10
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_vllm_server_given_by_url_regenerates_the_same(vllm_python, flat_target, hf_bf16, tmp_path):
+    """`vllm serve` started apart (its OpenAI API), 00 with --vllm-url: token ids in and out."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "serve.log").open("w")
+    serve = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(flat_target),
+             "--dtype", "bfloat16", "--max-model-len", "512", "--port", str(port),
+             "--kv-cache-memory-bytes", str(1 << 30), "--no-enable-prefix-caching"]
+    server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD},
+                              start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        out = tmp_path / "out"
+        run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, "--engine", "vllm",
+                   "--vllm-url", url, "--max-in-flight", 4, env=ONE_THREAD)
+        assert_same_turns(hf_bf16, read_output(out))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=120)
+        log.close()
