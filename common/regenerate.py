@@ -27,6 +27,7 @@ sums the parts.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import Counter
@@ -236,7 +237,7 @@ class TurnRegenerator:
         conversation still running, in one engine call)."""
         states = [_Turns(c) for c in conversations]
         running = states
-        for round_index in range(10 ** 9):
+        for round_index in itertools.count():
             waiting = []
             for state in running:
                 history = state.next_prompt()
@@ -262,7 +263,7 @@ class TurnRegenerator:
                     running.append(state)
                 else:
                     on_done(state)
-        return states
+        raise AssertionError("unreachable")
 
     def _apply(self, state: _Turns, completion: Completion, stats: PartStats) -> bool:
         """Read one generation into the conversation; False when the conversation is finished."""
