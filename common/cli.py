@@ -24,6 +24,7 @@ STAGE_DIRS = {
     "vocab": "vocab",
     "checkpoints": "checkpoints",
     "draft": "draft",
+    "regenerated": "regenerated",
 }
 
 

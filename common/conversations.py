@@ -182,6 +182,8 @@ FORMATS: dict[str, Callable[[Path], Iterator[Record]]] = {
 }
 SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 HF_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+# A stage's report (00's regenerate_report.json in the folder it writes) is not conversations.
+REPORT_SUFFIX = "_report.json"
 
 
 def _is_hf_dataset(folder: Path) -> bool:
@@ -190,7 +192,8 @@ def _is_hf_dataset(folder: Path) -> bool:
 
 def resolve_inputs(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
     """Each input as (file or dataset folder, format name); a plain folder is expanded into the
-    data files and saved datasets under it (sorted; other and hidden files are ignored).
+    data files and saved datasets under it (sorted; other and hidden files and stage reports
+    `*_report.json` are ignored).
     Errors name the path."""
     sources = []
     for path in map(Path, paths):
@@ -212,7 +215,8 @@ def _expand(path: Path) -> list[tuple[Path, str]]:
         return [(path, SUFFIXES[path.suffix.lower()])] if path.suffix.lower() in SUFFIXES else []
     if _is_hf_dataset(path):
         return [(path, "hf_dataset")]
-    return [s for child in sorted(path.iterdir()) if not child.name.startswith(".") for s in _expand(child)]
+    return [s for child in sorted(path.iterdir()) if not child.name.startswith(".")
+            and not child.name.endswith(REPORT_SUFFIX) for s in _expand(child)]
 
 
 def iter_records(sources: Iterable[tuple[Path, str]]) -> Iterator[Record]:

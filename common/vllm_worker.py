@@ -84,6 +84,19 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int]
     return {"outputs": [list(out.outputs[0].token_ids) for out in outputs], "counters": read_counters(llm)}
 
 
+def sample(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int], temperature: float, top_p: float,
+           seed: int) -> dict[str, Any]:
+    """Step 00's generations: stopped at a stop id, sampled (temperature 0: greedy), request i seeded
+    with seed + i; `stopped` False where the token limit cut it."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i,
+                             stop_token_ids=stop_ids, detokenize=False) for i in range(len(prompts))]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return {"outputs": [list(out.outputs[0].token_ids) for out in outputs],
+            "stopped": [out.outputs[0].finish_reason == "stop" for out in outputs]}
+
+
 def answer(channel: TextIO, message: dict[str, Any]) -> None:
     channel.write(json.dumps(message) + "\n")
     channel.flush()
@@ -113,6 +126,9 @@ def serve(settings: dict[str, Any], channel: TextIO) -> None:
             start = time.perf_counter()
             if request["op"] == "extract":
                 result = extract(llm, request["prompts"])
+            elif request["op"] == "sample":
+                result = sample(llm, request["prompts"], request["max_tokens"], request["stop_ids"],
+                                request["temperature"], request["top_p"], request["seed"])
             else:
                 result = generate(llm, request["prompts"], request["max_tokens"], request["stop_ids"])
             answer(channel, {"ok": True, "seconds": time.perf_counter() - start, **result})

@@ -1,0 +1,314 @@
+"""Step 00 (common/regenerate.py, common/assistant_output.py): the regenerated turns are the
+target's own greedy generations given the regenerated history, 01's masks on the output cover
+exactly the assistant turns, a SIGKILLed run resumes without repeating or losing a conversation,
+bad records are skipped and counted, and a generation is read back into reasoning, content and
+tool calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.assistant_output import MalformedToolCall, parse_assistant_text
+from common.conversations import Conversation, Message, ToolCall, to_conversation
+from common.fixtures import REPO_ROOT
+from common.hidden_states import load_target_model
+from common.prepare import PrepareOptions, load_tokenizer, prepare
+from common.prepared import load_prepared
+from common.regenerate import TOOL_CALLS_DIVERGED, RegenerateOptions, _Turns, regenerate
+from common.regenerate_engines import HfEngine
+from common.speculative import greedy_generate, stop_token_ids
+from common.target import load_target_info
+from conftest import run_script
+
+SCRIPT = "00_regenerate.py"
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+MAX_NEW = 40
+SAMPLES = 6  # the first demo records: reasoning, tool use, multi-turn
+SETTINGS = dict(temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW, max_samples=SAMPLES, part_size=2, batch_size=3,
+                keep_cut=True)
+
+
+def script_args(target: Path, output: Path) -> list[str | Path]:
+    """The command line of SETTINGS (the resume test compares with the in-process run)."""
+    return ["--target", target, "--trust-remote-code", "--output", output, "--max-new-tokens", MAX_NEW,
+            "--max-samples", SAMPLES,
+            "--part-size", 2, "--batch-size", 3, "--keep-cut", "--temperature", 0]
+
+
+@pytest.fixture(scope="module")
+def kimi(kimi_target):
+    info = load_target_info(kimi_target)
+    model = load_target_model(info, torch.float32, "cpu", None, logits=True)
+    tokenizer = load_tokenizer(kimi_target, True)
+    return info, model, tokenizer, stop_token_ids(info.path, info.text_config)
+
+
+def engine_of(kimi, batch_size: int) -> HfEngine:
+    _, model, tokenizer, stops = kimi
+    return HfEngine(model, stops, tokenizer.pad_token_id or min(stops), 0.0, 1.0, batch_size)
+
+
+@pytest.fixture(scope="module")
+def regenerated(kimi, kimi_target, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("regenerated") / "out"
+    options = RegenerateOptions(inputs=sorted((REPO_ROOT / "data").glob("demo_*.jsonl")), target=kimi_target,
+                                output=out, **SETTINGS)
+    return out, regenerate(options, kimi[2], engine_of(kimi, 3))
+
+
+def read_output(folder: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted(folder.glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_regenerated_turns_are_the_targets_greedy_generations(kimi, regenerated):
+    """Each assistant turn, rendered back as the target emitted it, equals plain greedy decoding of
+    the target (batch of one, no padding) from the regenerated history before it."""
+    _, model, tokenizer, stops = kimi
+    out, report = regenerated
+    records = read_output(out)
+    assert report["regenerated"] == len(records) > 0 and report["assistant_turns_regenerated"] >= len(records)
+    checked = 0
+    for record in records:
+        messages = record["messages"]
+        for j, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = tokenizer.apply_chat_template(messages[:j], tools=record.get("tools"), tokenize=False,
+                                                   add_generation_prompt=True)
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            plain = greedy_generate(model, ids, MAX_NEW, stops).tokens
+            finished = plain[-1] in stops
+            text = tokenizer.decode(plain[:-1] if finished else plain, skip_special_tokens=False)
+            assert parse_assistant_text(text, True).message.to_template() == {
+                k: v for k, v in m.items() if k != "name"}, f"{record['id']} turn {j}"
+            checked += 1
+    assert checked == report["assistant_turns_regenerated"]
+
+
+def test_01_masks_cover_exactly_the_assistant_turns(kimi, kimi_target, regenerated, tmp_path):
+    _, _, tokenizer, _ = kimi
+    out, _ = regenerated
+    records = {r["id"]: r for r in read_output(out)}
+    prepare(PrepareOptions(inputs=[out], target=kimi_target, output=tmp_path / "prepared", trust_remote_code=True))
+    ds, report = load_prepared(tmp_path / "prepared")
+    assert report.samples_kept == len(records)  # regenerate_report.json is not read as conversations
+    for row in ds:
+        mask, ids = row["loss_mask"], row["input_ids"]
+        runs = [(i, j) for i, j in _runs(mask)]
+        turns = [m for m in records[row["sample_id"]]["messages"] if m["role"] == "assistant"]
+        assert len(runs) == len(turns)
+        for (start, end), turn in zip(runs, turns):
+            supervised = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+            before = tokenizer.decode(ids[:start], skip_special_tokens=False)
+            if turn.get("reasoning_content"):  # thinking mode's generation prompt, then the turn
+                assert before.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+                assert supervised.startswith(turn["reasoning_content"] + "</think>" + turn["content"])
+            else:  # 01 reads an empty think block as instant mode's generation prompt
+                assert before.endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
+                assert supervised.startswith(turn["content"])
+            assert supervised.endswith("<|im_end|>") and supervised.count("<|im_end|>") == 1
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, bit in enumerate(mask + [0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_neither_repeats_nor_loses(kimi_target, regenerated, tmp_path):
+    reference, report = regenerated
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO_ROOT / SCRIPT), *map(str, script_args(kimi_target, out))]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **ONE_THREAD})
+    try:
+        while not list(out.glob("*.jsonl")):  # kill as soon as the first part is written
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.jsonl")}
+    assert 0 < len(finished) < SAMPLES // 2 and not (out / "regenerate_report.json").exists()
+
+    run_script(SCRIPT, *script_args(kimi_target, out), env=ONE_THREAD)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.jsonl") if p.name in finished} == finished
+    ids = [r["id"] for r in read_output(out)]
+    assert len(ids) == len(set(ids))
+    assert read_output(out) == read_output(reference)
+    resumed = json.loads((out / "regenerate_report.json").read_text())
+    assert resumed["parts_resumed"] == len(finished)
+    for key in ("records_read", "regenerated", "dropped", "generations", "generated_tokens"):
+        assert resumed[key] == report[key], key
+    assert not list(out.rglob(".tmp-*"))
+
+
+def test_bad_rows_are_skipped_and_counted_and_every_format_is_read(kimi, kimi_target, tmp_path):
+    data = tmp_path / "mixed.jsonl"
+    rows = ['{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}',
+            "{not json",
+            '{"text": "no conversation"}',
+            '{"messages": [{"role": "user", "content": "only a question"}]}',
+            '{"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]}']
+    data.write_text("\n".join(rows) + "\n")
+    options = RegenerateOptions(inputs=[data], target=kimi_target, output=tmp_path / "out", temperature=0.0,
+                                top_p=1.0, max_new_tokens=MAX_NEW, keep_cut=True)
+    report = regenerate(options, kimi[2], engine_of(kimi, 2))
+    assert report["records_read"] == 5
+    assert report["dropped"] == {"malformed_record": 2, "no_assistant_turn": 1}
+    assert report["regenerated"] == 2
+    assert [r["id"] for r in read_output(tmp_path / "out")] == [f"{data}:1", f"{data}:5"]
+
+
+def test_a_resumed_run_with_other_settings_is_refused(kimi, kimi_target, regenerated):
+    from common.errors import PipelineError
+
+    out, _ = regenerated
+    options = RegenerateOptions(inputs=sorted((REPO_ROOT / "data").glob("demo_*.jsonl")), target=kimi_target,
+                                output=out, **{**SETTINGS, "max_new_tokens": MAX_NEW + 1})
+    with pytest.raises(PipelineError, match="max_new_tokens"):
+        regenerate(options, kimi[2], engine_of(kimi, 3))
+
+
+# --- reading a generation back, and the tool-call rule (no model) ------------------------------
+
+def test_generation_is_split_into_reasoning_content_and_tool_calls():
+    text = ("Look it up.</think>Searching.<|tool_calls_section_begin|><|tool_call_begin|>functions.search_web:0"
+            '<|tool_call_argument_begin|>{"query": "tides"}<|tool_call_end|><|tool_calls_section_end|>')
+    parsed = parse_assistant_text(text, starts_in_thinking=True)
+    assert parsed.closed_thinking
+    call = ToolCall("functions.search_web:0", "search_web", '{"query": "tides"}')
+    assert parsed.message == Message("assistant", "Searching.", "Look it up.", tool_calls=(call,))
+    assert parse_assistant_text("<think>\nr\n</think>\n\nHi", False).message == Message("assistant", "Hi", "r")
+    cut = parse_assistant_text("still thinking", True)
+    assert not cut.closed_thinking and cut.message.content == ""
+    with pytest.raises(MalformedToolCall, match="not JSON"):
+        parse_assistant_text("</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+                             "<|tool_call_argument_begin|>{oops<|tool_call_end|><|tool_calls_section_end|>", True)
+
+
+def _tool_conversation() -> Conversation:
+    record = {"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "function": {"name": "f",
+                                                                                           "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        {"role": "assistant", "content": "It is 42."}]}
+    conversation = to_conversation("t", record)
+    assert isinstance(conversation, Conversation)
+    return conversation
+
+
+def test_tool_results_follow_a_regenerated_call_of_the_same_function():
+    state = _Turns(_tool_conversation())
+    assert [m.role for m in state.next_prompt()] == ["user"]
+    state.accept(Message("assistant", "", tool_calls=(ToolCall("functions.f:0", "f", '{"x": 1}'),)))
+    history = state.next_prompt()
+    assert history[-1] == Message("tool", "42", tool_call_id="functions.f:0")  # re-keyed to the new call
+    state.accept(Message("assistant", "Forty-two."))
+    assert state.next_prompt() is None and state.outcome == "regenerated" and state.early is None
+
+
+def test_a_conversation_ends_where_the_target_calls_other_tools():
+    state = _Turns(_tool_conversation())
+    state.next_prompt()
+    state.accept(Message("assistant", "I know it: 42."))  # answers without the call
+    assert state.outcome == "regenerated" and state.early == TOOL_CALLS_DIVERGED
+    assert [m.role for m in state.messages] == ["user", "assistant"]
+
+
+# --- the vLLM engine (vLLM's CPU build from .venv-vllm) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    from common.vllm_engine import DEFAULT_VLLM_PYTHON
+
+    if DEFAULT_VLLM_PYTHON.is_file():
+        return DEFAULT_VLLM_PYTHON
+    if os.environ.get("REQUIRE_VLLM") == "1":
+        pytest.fail(f"REQUIRE_VLLM=1 but {DEFAULT_VLLM_PYTHON} is missing (bash scripts/setup_vllm_env.sh)")
+    pytest.skip(f"no vLLM environment at {DEFAULT_VLLM_PYTHON} (bash scripts/setup_vllm_env.sh)")
+
+
+VLLM_COMMON = ["--max-new-tokens", 32, "--max-samples", 10, "--temperature", 0, "--keep-cut", "--dtype", "bf16",
+               "--max-prompt-len", 480]
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(flat_target, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("hf_bf16") / "out"
+    run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, env=ONE_THREAD)
+    return read_output(out)
+
+
+def assert_same_turns(hf: list[dict], served: list[dict]) -> None:
+    """vLLM's CPU kernels and transformers' differ in rounding: a near-tie may break differently,
+    so at most one turn in ten may differ."""
+    assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
+    turns = [(a, b) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
+             if a["role"] == "assistant"]
+    differ = [(a, b) for a, b in turns if a != b]
+    assert len(differ) <= len(turns) // 10, differ
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_python, flat_target, hf_bf16,
+                                                                         tmp_path):
+    """Both engines in bf16 on the flat miniature, greedy: the same conversations, turns and texts."""
+    run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", tmp_path, "--engine", "vllm",
+               "--vllm-python", vllm_python, env=ONE_THREAD)
+    assert_same_turns(hf_bf16, read_output(tmp_path))
+    report = json.loads((tmp_path / "regenerate_report.json").read_text())
+    assert report["settings"]["engine"] == "vllm" and report["generations"] >= 10
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_vllm_server_given_by_url_regenerates_the_same(vllm_python, flat_target, hf_bf16, tmp_path):
+    """`vllm serve` started apart (its OpenAI API), 00 with --vllm-url: token ids in and out."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "serve.log").open("w")
+    serve = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(flat_target),
+             "--dtype", "bfloat16", "--max-model-len", "512", "--port", str(port),
+             "--kv-cache-memory-bytes", str(1 << 30), "--no-enable-prefix-caching"]
+    server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD},
+                              start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        out = tmp_path / "out"
+        run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, "--engine", "vllm",
+                   "--vllm-url", url, "--max-in-flight", 4, env=ONE_THREAD)
+        assert_same_turns(hf_bf16, read_output(out))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=120)
+        log.close()
