@@ -75,9 +75,10 @@ FLAT_CHAT_TEMPLATE = (
 
 BPE_SIZE = 4096
 # LM training of each miniature (common/miniature_lm.py): ~1.2M corpus tokens for the flat one;
-# the Kimi-style one costs ~3x more per token (MLA with kv_lora_rank 512, MoE), so it sees fewer.
+# the Kimi-style one costs ~3x more per token (MLA with kv_lora_rank 512, MoE) and learns slower
+# per step: at 400 steps a quarter of its greedy answers still looped, so it trains 800.
 FLAT_LM = LMSettings(steps=600)
-KIMI_LM = LMSettings(steps=400)
+KIMI_LM = LMSettings(steps=800)
 # Draft vocabulary of the built-in default run: the miniature's tokenizer has 4096 BPE tokens, so
 # the usual 32000 would be mostly ids the data never shows, and it would make CPU training ~10x
 # slower (the draft's lm_head and loss scale with it). 2048 covers ~98% of the demo's supervised tokens.
