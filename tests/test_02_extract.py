@@ -167,8 +167,10 @@ def test_batched_equals_sample_by_sample(models, name):
     for sample, stored in zip(ids, batched, strict=True):
         (alone,) = extractor([sample])
         assert [s.shape for s in stored.states] == [(len(sample), 64)] * 4 and stored.scales is None
-        for a, b in zip(stored.states, alone.states, strict=True):  # fp32 sums in another order; a leak is O(1)
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-4)
+        # fp32 sums in another order, and in the MoE a top-k near-tie in the router may pick another
+        # expert for a token (seen: 0.2% of a state's scale); padding leaking in would be O(1).
+        for a, b in zip(stored.states, alone.states, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("name", ["kimi", "flat"])
