@@ -36,6 +36,19 @@ def any_target(request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM environment's python (scripts/setup_vllm_env.sh); CI sets REQUIRE_VLLM=1, which
+    makes a missing one a failure instead of a skip."""
+    from common.vllm_engine import DEFAULT_VLLM_PYTHON
+
+    if DEFAULT_VLLM_PYTHON.is_file():
+        return DEFAULT_VLLM_PYTHON
+    if os.environ.get("REQUIRE_VLLM") == "1":
+        pytest.fail(f"REQUIRE_VLLM=1 but {DEFAULT_VLLM_PYTHON} is missing (bash scripts/setup_vllm_env.sh)")
+    pytest.skip(f"no vLLM environment at {DEFAULT_VLLM_PYTHON} (bash scripts/setup_vllm_env.sh)")
+
+
+@pytest.fixture(scope="session")
 def demo_conversations() -> Path:
     return DEMO_CONVERSATIONS
 

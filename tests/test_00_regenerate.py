@@ -234,17 +234,6 @@ def test_a_conversation_ends_where_the_target_calls_other_tools():
 
 # --- the vLLM engine (vLLM's CPU build from .venv-vllm) ---------------------------------------
 
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    from common.vllm_engine import DEFAULT_VLLM_PYTHON
-
-    if DEFAULT_VLLM_PYTHON.is_file():
-        return DEFAULT_VLLM_PYTHON
-    if os.environ.get("REQUIRE_VLLM") == "1":
-        pytest.fail(f"REQUIRE_VLLM=1 but {DEFAULT_VLLM_PYTHON} is missing (bash scripts/setup_vllm_env.sh)")
-    pytest.skip(f"no vLLM environment at {DEFAULT_VLLM_PYTHON} (bash scripts/setup_vllm_env.sh)")
-
-
 VLLM_COMMON = ["--max-new-tokens", 32, "--max-samples", 10, "--temperature", 0, "--keep-cut", "--dtype", "bf16",
                "--max-prompt-len", 480]
 

@@ -13,14 +13,13 @@ unless REQUIRE_VLLM=1 (set by .ci/run), which makes its absence a failure.
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 
 import pytest
 import torch
 
-from common.vllm_engine import DEFAULT_VLLM_PYTHON, _log_cause, rms_norm
+from common.vllm_engine import _log_cause, rms_norm
 from conftest import run_script
 
 pytestmark = [pytest.mark.vllm]
@@ -34,15 +33,6 @@ ENV = {"OMP_NUM_THREADS": "1"}  # much faster than 2 threads on a shared 2-core 
 # 8% allows that and still catches a counting convention that differs (one pass per prompt more
 # or less is ~4%, plus the near-ties). On looping targets both gave identical counts.
 AL_TOLERANCE = 0.08
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if DEFAULT_VLLM_PYTHON.is_file():
-        return DEFAULT_VLLM_PYTHON
-    if os.environ.get("REQUIRE_VLLM") == "1":
-        pytest.fail(f"REQUIRE_VLLM=1 but {DEFAULT_VLLM_PYTHON} is missing (bash scripts/setup_vllm_env.sh)")
-    pytest.skip(f"no vLLM environment at {DEFAULT_VLLM_PYTHON} (bash scripts/setup_vllm_env.sh)")
 
 
 @pytest.fixture(scope="module")
