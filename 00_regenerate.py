@@ -29,10 +29,10 @@ import torch
 from common.cli import add_run_args, default_input, resolve_target, run_main, stage_dir
 from common.errors import PipelineError
 from common.regenerate import RegenerateOptions, regenerate, sampling_defaults, summary_lines
+from common.target import DTYPES
 from common.vllm_engine import add_engine_args
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # as 05
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

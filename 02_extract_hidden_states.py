@@ -66,11 +66,10 @@ from common.hidden_states import (
 )
 from common.prepared import check_prepared_target, load_prepared
 from common.state_storage import DEFAULT_STORAGE, STORAGES, StateStorage
-from common.target import TargetInfo, load_target_info, weight_map
+from common.target import DTYPES, TargetInfo, load_target_info, weight_map
 from common.vllm_engine import EngineSettings, VllmStateExtractor, VllmWorker, add_engine_args, check_vllm_python, \
     final_norm_of
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_BATCH_TOKENS = 8192
 
 

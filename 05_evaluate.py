@@ -55,11 +55,10 @@ from common.hidden_states import load_target_model
 from common.prepare import load_tokenizer
 from common.prepared import check_prepared_target, load_prepared
 from common.speculative import SamplingParams, stop_token_ids
-from common.target import load_target_info
+from common.target import DTYPES, load_target_info
 from common.training import load_hidden_states
 from common.vllm_engine import EngineSettings, add_engine_args, check_vllm_python, engine_table, measure_with_vllm
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,6 +23,8 @@ NESTED_PREFIX = "language_model."
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 REQUIRED_TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
+# --dtype of the stages that run the target (00, 02, 05)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class TargetError(PipelineError, ValueError):
