@@ -43,6 +43,8 @@ class LMSettings:
     warmup: int = 20
     weight_decay: float = 0.01
     seed: int = 0
+    # Matrices reading more than this many inputs learn at lr * lr_fan_in / fan_in (None: all at lr).
+    lr_fan_in: int | None = None
 
 
 def corpus_files(data_dir: Path) -> list[Path]:
@@ -105,6 +107,23 @@ def _lr(step: int, settings: LMSettings) -> float:
     return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _param_groups(params: list[torch.nn.Parameter], settings: LMSettings) -> list[dict]:
+    """AdamW groups: vectors (norms, biases) without weight decay; matrices grouped by their
+    learning-rate scale. Adam moves every weight by about lr per step whatever its fan-in, so a
+    matrix reading many inputs changes its outputs that many times faster: the Kimi-style
+    miniature's MLA `kv_b_proj` reads the 512-wide compressed KV, 8x the hidden size, and at one lr
+    for all it learned ~1.6x slower per step (loss 4.86 vs 3.41 after 300 steps). With
+    `lr_fan_in`, lr scales as 1/fan_in beyond it (as muP prescribes for hidden matrices under Adam)."""
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.dim() >= 2:
+            scale = min(1.0, settings.lr_fan_in / p.shape[1]) if settings.lr_fan_in else 1.0
+            groups.setdefault(scale, []).append(p)
+    vectors = [p for p in params if p.dim() < 2]
+    return ([{"params": ps, "weight_decay": settings.weight_decay, "lr_scale": scale} for scale, ps in groups.items()]
+            + [{"params": vectors, "weight_decay": 0.0, "lr_scale": 1.0}])
+
+
 class _TiedTailHead(torch.nn.Module):
     """The lm_head seen by the loss: one row per active id plus one shared row for all others."""
 
@@ -143,16 +162,13 @@ def train_miniature_lm(model: torch.nn.Module, sequences: list[list[int]], activ
     head = _TiedTailHead(model.lm_head.weight.detach().float(), active)
     body = model.model
     params = [p for p in body.parameters()] + list(head.parameters())
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(_param_groups(params, settings), lr=settings.lr, betas=(0.9, 0.95))
     model.train()
     losses = []
     with _single_thread():
         for step, batch in zip(range(settings.steps), _batches(sequences, settings)):
             for group in optimizer.param_groups:
-                group["lr"] = _lr(step, settings)
+                group["lr"] = _lr(step, settings) * group["lr_scale"]
             hidden = body(input_ids=batch).last_hidden_state[:, :-1]
             labels = remap[batch[:, 1:]]
             labels = torch.where(labels < 0, len(active), labels)  # an id outside the tokenizer's: the tail

@@ -7,20 +7,24 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, DeepseekV3ForCausalLM
+from transformers import AutoConfig, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from common import fixtures
 from common.fixtures import (
     DATA_DIR,
     DEMO_CONVERSATIONS,
+    FLAT_LM,
+    KIMI_LM,
     KIMI_NON_SPECIAL,
     KIMI_SPECIAL_TOKENS,
+    KIMI_TEXT_CONFIG,
+    ensure_target,
     fixture_key,
     main,
     write_kimi_target,
 )
 from common.int4_experts import PACKED_PARAMS
-from common.miniature_lm import LMSettings, corpus_files, greedy_continuations
+from common.miniature_lm import LMSettings, _param_groups, corpus_files, greedy_continuations
 from common.speculative import distinct_ratio, longest_run, stop_token_ids
 from common.target import TargetError, load_target_info, load_text_model, read_tensors, weight_map
 
@@ -92,11 +96,7 @@ def test_cache_key_follows_the_corpus(tmp_path, monkeypatch):
     assert fixture_key() != key
 
 
-KIMI_LOOPS = pytest.mark.xfail(strict=True, reason="open (issue 11): the Kimi-style miniature is still a weak LM; "
-                               "some of its greedy continuations end in a loop (README, the built-in miniature)")
-
-
-@pytest.mark.parametrize("kind", [pytest.param("kimi", marks=KIMI_LOOPS), "flat"])
+@pytest.mark.parametrize("kind", ["kimi", "flat"])
 def test_targets_write_text_not_loops(kind, request):
     """Trained as small LMs on the demo corpus, the miniatures continue held-out-style prompts with
     corpus-like text: at least 90% of greedy continuations repeat no token more than 4 times in
@@ -228,7 +228,37 @@ def test_target_errors_name_the_folder(tmp_path, kimi_target):
         load_target_info(kimi_target, trust_remote_code=False)
 
 
-def test_fixtures_command_line(tmp_path, capsys):
+def test_fixtures_command_line(tmp_path, capsys, flat_target):
     assert main(["flat", str(tmp_path / "flat"), "--lm-steps", "2"]) == 0
     assert "wrote the flat miniature target" in capsys.readouterr().out
     assert (tmp_path / "flat" / "tokenizer.json").is_file()
+    # Without OUT_DIR: the cached built-in target (built by the session fixture already), its path printed.
+    assert main(["flat"]) == 0
+    assert capsys.readouterr().out.strip() == f"the flat miniature target is cached at {ensure_target('flat')}"
+    with pytest.raises(SystemExit):
+        main(["flat", "--lm-steps", "2"])
+    assert "--lm-steps and --seed need OUT_DIR" in capsys.readouterr().err
+
+
+def test_lm_training_scales_the_lr_of_wide_input_matrices():
+    """MLA's kv_b_proj reads the 512-wide compressed KV: with KIMI_LM's lr_fan_in it learns at
+    32/512 of the lr, the matrices reading the 64-wide hidden state at half, q_b_proj (32 inputs) at
+    the full lr, and norms at the full lr without weight decay; without lr_fan_in one lr serves all."""
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**KIMI_TEXT_CONFIG, "vocab_size": 1000, "pad_token_id": None}))
+    named = dict(model.named_parameters())
+    params = list(named.values())
+
+    def scale_of(name: str, groups: list[dict]) -> tuple[float, float]:
+        group = next(g for g in groups if any(p is named[name] for p in g["params"]))
+        return group["lr_scale"], group["weight_decay"]
+
+    groups = _param_groups(params, KIMI_LM)
+    assert KIMI_LM.lr_fan_in == 32
+    assert scale_of("model.layers.1.self_attn.kv_b_proj.weight", groups) == (32 / 512, KIMI_LM.weight_decay)
+    assert scale_of("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", groups) == (0.5, KIMI_LM.weight_decay)
+    assert scale_of("model.embed_tokens.weight", groups) == (0.5, KIMI_LM.weight_decay)
+    assert scale_of("model.layers.1.self_attn.q_b_proj.weight", groups) == (1.0, KIMI_LM.weight_decay)
+    assert scale_of("model.layers.1.self_attn.kv_a_layernorm.weight", groups) == (1.0, 0.0)
+    assert sorted(p for g in groups for p in map(id, g["params"])) == sorted(map(id, params))  # each once
+    plain = _param_groups(params, FLAT_LM)
+    assert [(g["lr_scale"], g["weight_decay"]) for g in plain] == [(1.0, FLAT_LM.weight_decay), (1.0, 0.0)]
