@@ -355,8 +355,8 @@ def test_script_samples_at_a_temperature(eval_run, kimi_target, tmp_path):
 def test_trained_draft_accepts_more_than_an_untrained_one(eval_run, kimi_target):
     """04 on the self-distilled run (exporting its best checkpoint), then 05 against the untrained
     draft and the n-gram baseline on 04's validation rows: the trained draft measures a higher
-    acceptance length than both, below k + 1, not short of its simulated one. (That the targets
-    write text rather than loops is tests/test_fixtures.py's; the Kimi one still falls short.)"""
+    acceptance length than both, below k + 1, close to its simulated one, on a target that
+    writes text rather than loops."""
     common = ["--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code"]
     run_script("04_train.py", *common, "--draft-config", TINY_CONFIG, "--epochs", "10", "--lr", "0.01",
                "--total-seq-len", "512", "--noise-std", "0", "--val-ratio", "0.2")
@@ -373,17 +373,15 @@ def test_trained_draft_accepts_more_than_an_untrained_one(eval_run, kimi_target)
     best = train_report["best_validation"]
     assert train_report["exported_checkpoint"].endswith(f"/{best['epoch']}")
     assert trained["identical_to_greedy"] and untrained["identical_to_greedy"]
-    assert 0.0 <= trained["degenerate_share"] <= 1.0 and 0.0 < trained["distinct_ratio"] <= 1.0
+    assert trained["degenerate_share"] <= 0.1 and trained["distinct_ratio"] >= 0.5  # the target writes text
     assert trained["measured_acceptance_length"] > untrained["measured_acceptance_length"] + 0.05
     assert trained["measured_acceptance_length"] > report["baselines"]["ngram"]["measured_acceptance_length"]
     assert trained["measured_acceptance_length"] < 1 + K
     assert untrained["measured_acceptance_length"] < 1.02
-    # On the target's own continuations the measured figure keeps most of the simulated gain: a
-    # misaligned proposer (states of the wrong position or layer) would measure about 1. It is not
-    # equal: the Kimi-style miniature's greedy continuations partly end in loops, and the
-    # self-distilled data's positions weigh differently (seen: 2.35 measured, 2.73 simulated).
-    simulated = trained["simulated_acceptance_length"]
-    assert trained["measured_acceptance_length"] > 1 + 0.6 * (simulated - 1)
+    # On the target's own continuations the measured figure is close to the simulated one: a
+    # misaligned proposer (states of the wrong position or layer) would measure about 1 (seen: 1.54
+    # measured, 1.60 simulated, n-gram 1.11).
+    assert trained["measured_acceptance_length"] > trained["simulated_acceptance_length"] - 0.15
 
 
 def rewrite_config(draft: Path, out: Path, edit) -> Path:
