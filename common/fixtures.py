@@ -340,11 +340,16 @@ def fixture_key() -> str:
     return h.hexdigest()[:12]
 
 
+def cached_target_path(kind: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Where the cached target of `kind` lives (complete once it holds config.json)."""
+    return cache_dir / f"{kind}-v{FIXTURE_VERSION}-{fixture_key()}"
+
+
 def ensure_target(kind: str = "kimi", cache_dir: Path = DEFAULT_CACHE) -> Path:
     """The cached miniature target of `kind`, generated on first use (atomically: a complete
     folder appears under its final name or not at all). The folder name carries `fixture_key()`,
     so a change to the code or the corpus makes a new one and a CI run builds each target once."""
-    final = cache_dir / f"{kind}-v{FIXTURE_VERSION}-{fixture_key()}"
+    final = cached_target_path(kind, cache_dir)
     if (final / "config.json").exists():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -364,7 +369,7 @@ def ensure_target(kind: str = "kimi", cache_dir: Path = DEFAULT_CACHE) -> Path:
 def ensure_targets(kinds: list[str], cache_dir: Path = DEFAULT_CACHE) -> dict[str, Path]:
     """`ensure_target` of each kind, the missing ones built at the same time, one process each
     (each trains on one thread): on two cores both miniatures take as long as the slower one."""
-    missing = [k for k in kinds if not (cache_dir / f"{k}-v{FIXTURE_VERSION}-{fixture_key()}" / "config.json").exists()]
+    missing = [k for k in kinds if not (cached_target_path(k, cache_dir) / "config.json").exists()]
     builds = {k: subprocess.Popen([sys.executable, "-m", "common.fixtures", k, "--cache-dir", str(cache_dir)],
                                   cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for k in missing[1:]}

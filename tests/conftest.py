@@ -16,7 +16,7 @@ from common.fixtures import DEMO_CONVERSATIONS, REPO_ROOT, ensure_targets
 
 
 def _session_copy(kind: str, tmp_path_factory) -> Path:
-    # The first test that needs a target builds both at once (from an empty cache, ~20 min on 2 cores).
+    # The first test that needs a target builds both at once (from an empty cache, ~12 min on 2 cores).
     cached = ensure_targets(["kimi", "flat"])[kind]
     return Path(shutil.copytree(cached, tmp_path_factory.mktemp("targets") / kind))
 
