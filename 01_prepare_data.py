@@ -21,8 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.cli import add_run_args, default_input, resolve_target, run_main, stage_dir
-from common.prepare import PrepareOptions, prepare, summary_lines, warning_lines
+from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
+from common.defaults import demo_inputs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. resolve the target, the inputs and the output folder
     target, trust_remote_code = resolve_target(args)
     options = PrepareOptions(
-        inputs=args.input or default_input(), target=target, output=stage_dir(args, "prepared", args.output),
+        inputs=args.input or demo_inputs(), target=target, output=stage_dir(args, "prepared", args.output),
         max_len=args.max_len, max_samples=args.max_samples, seed=args.seed, num_proc=args.num_proc,
         trust_remote_code=trust_remote_code)
     print(f"target {target}, inputs {', '.join(map(str, options.inputs))}, max length {options.max_len:,}")

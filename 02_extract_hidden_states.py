@@ -3,8 +3,8 @@
 For every prepared row i it writes `data_{i}.pt` in speculators' v1 format: the input ids, the
 loss mask, three auxiliary layers (default [2, N//2, N-3], vLLM's layer-id convention) and the
 post-norm final state, in bf16 (default) or, with `--storage fp8`, in float8 e4m3 with one
-scale per token row (half the disk; common/state_storage.py), plus `sample_lengths.json` and
-`data_config.json` (see common/extract_io.py). Only those four states are captured, with forward hooks on the base
+scale per token row (half the disk; common/hidden_states/storage.py), plus `sample_lengths.json` and
+`data_config.json` (see common/hidden_states/files.py). Only those four states are captured, with forward hooks on the base
 model; samples of similar length run in batches under a padded-token budget.
 
 Usage:
@@ -17,7 +17,7 @@ Usage:
         # data parallel, one shard per GPU (RANK / WORLD_SIZE give --shard-index / --num-shards)
     python 02_extract_hidden_states.py ... --num-shards 4 --shard-index J   # shard J of 4, e.g. on host J
     python 02_extract_hidden_states.py ... --engine vllm [--vllm-python .venv-vllm/bin/python] \
-        [--tensor-parallel-size 8]                       # vLLM from its own environment (common/vllm_engine.py)
+        [--tensor-parallel-size 8]                       # vLLM from its own environment (common/vllm/client.py)
 
 Run the same command again to resume: complete files are kept, unreadable ones redone (files the
 journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Shards
@@ -37,9 +37,19 @@ from pathlib import Path
 import torch
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.device_plan import check_placement_flags
+from common.data.prepared_dataset import check_prepared_target, load_prepared
 from common.errors import PipelineError
-from common.extract_io import (
+from common.hidden_states.capture import (
+    ExtractionRun,
+    ExtractStats,
+    StateExtractor,
+    check_token_ids,
+    estimate_bytes,
+    plan_batches,
+    shard_batches,
+    validate_layer_ids,
+)
+from common.hidden_states.files import (
     NUM_STATES,
     Journal,
     check_disk,
@@ -53,22 +63,18 @@ from common.extract_io import (
     remove_stale_rows,
     write_manifest,
 )
-from common.hidden_states import (
-    ExtractionRun,
-    ExtractStats,
-    StateExtractor,
-    check_token_ids,
-    estimate_bytes,
-    load_target_model,
-    plan_batches,
-    shard_batches,
-    validate_layer_ids,
+from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage
+from common.target.config import DTYPES, TargetInfo, load_target_info, weight_map
+from common.target.device_plan import check_placement_flags
+from common.target.model import load_text_model
+from common.vllm.client import (
+    EngineSettings,
+    VllmStateExtractor,
+    VllmWorker,
+    add_engine_args,
+    check_vllm_python,
+    final_norm_of,
 )
-from common.prepared import check_prepared_target, load_prepared
-from common.state_storage import DEFAULT_STORAGE, STORAGES, StateStorage
-from common.target import DTYPES, TargetInfo, load_target_info, weight_map
-from common.vllm_engine import EngineSettings, VllmStateExtractor, VllmWorker, add_engine_args, check_vllm_python, \
-    final_norm_of
 
 DEFAULT_BATCH_TOKENS = 8192
 
@@ -132,7 +138,7 @@ def open_extractor(args: argparse.Namespace, info: TargetInfo, trust_remote_code
     """The engine that computes the states: the target in this process (HF), or a vLLM worker
     in its own environment, which writes through a scratch folder inside `out`."""
     if vllm_python is None:
-        model = load_target_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
+        model = load_text_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
         yield StateExtractor(model, layer_ids, storage)
         return
     settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, args.tensor_parallel_size)

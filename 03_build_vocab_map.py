@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.data.fingerprints import prepared_fingerprint
+from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.defaults import MINIATURE_DRAFT_VOCAB_SIZE
 from common.errors import PipelineError
-from common.fixtures import MINIATURE_DRAFT_VOCAB_SIZE
-from common.fingerprints import prepared_fingerprint
-from common.prepared import check_prepared_target, load_prepared
-from common.target import load_target_info
+from common.target.config import load_target_info
 from common.vocab import (
     DEFAULT_BATCH_ROWS,
     DEFAULT_DRAFT_VOCAB_SIZE,

@@ -1,7 +1,7 @@
 """Step 04: train the EAGLE-3 draft on step 02's hidden states with speculators' Trainer.
 
 Builds the draft from a config file of configs/ and the target (rope settings, vocabulary and
-norm epsilon copied from it; Kimi-K2.5's nested checkpoint read through common/patch.py), trains
+norm epsilon copied from it; Kimi-K2.5's nested checkpoint read through common/draft/patch.py), trains
 it through the library's data path and Trainer, checkpoints every epoch, and exports the final
 draft in speculators' format (bf16, vLLM-loadable).
 
@@ -19,7 +19,7 @@ Flags of the `training` section override the config file (each override is print
 OUTPUT/checkpoints/<epoch>/ after each epoch and OUTPUT/checkpoints/steps/<step>/ every
 `--save-every N` steps (the last two kept): fp32 weights and optimizer, scheduler, RNG states and
 the data position, so `--resume` continues from the latest one, mid-epoch included, exactly as an
-uninterrupted run would (common/checkpoints.py). Also OUTPUT/draft/ (bf16), OUTPUT/train_log.jsonl
+uninterrupted run would (common/train/checkpoints.py). Also OUTPUT/draft/ (bf16), OUTPUT/train_log.jsonl
 (one line per step and validation pass), OUTPUT/train_log.png and OUTPUT/train_report.json.
 """
 
@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-from common import patch
-from common.checkpoints import check_resumable
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.distributed import setup_distributed, teardown_distributed
-from common.draft import (
+from common.data.fingerprints import check_same_prepared
+from common.draft import patch
+from common.draft.model import (
     KIMI_CONFIG,
     TINY_CONFIG,
     build_draft,
@@ -43,9 +42,10 @@ from common.draft import (
     read_config_file,
     speculator_config,
 )
-from common.fingerprints import check_same_prepared
-from common.target import load_target_info
-from common.training import (
+from common.target.config import load_target_info
+from common.train.checkpoints import check_resumable
+from common.train.distributed import setup_distributed, teardown_distributed
+from common.train.trainer import (
     CHECKPOINTS,
     DRAFT,
     LOG_FILE,

@@ -1,7 +1,7 @@
 """Step 05: measure a draft's real acceptance length with the target, and compare drafts.
 
 Two kinds of figures, per draft:
-- measured: real greedy speculative decoding (common/speculative.py) on held-out prompts: the
+- measured: real greedy speculative decoding (common/evaluate/decoding.py) on held-out prompts: the
   draft proposes --num-speculative-tokens tokens as a chain, the target verifies them in one
   pass. Acceptance length = tokens per verification pass, as vLLM and SGLang report it; the
   acceptance rate per draft position; and a check that every output equals plain greedy
@@ -10,7 +10,7 @@ Two kinds of figures, per draft:
   acceptance length, computed as 04's validation pass does, over held-out hidden-state files.
 
 Held-out: 04's validation split when its train_report.json sits next to the draft folder,
-otherwise all of --data and the last prepared rows (see common/evaluate.py).
+otherwise all of --data and the last prepared rows (see common/evaluate/measure.py).
 
 Usage:
     python 05_evaluate.py                          # runs/default: draft/, hidden_states/, prepared/
@@ -31,10 +31,12 @@ from pathlib import Path
 import torch
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.device_plan import check_placement_flags
-from common.draft import load_draft
+from common.data.prepare import load_tokenizer
+from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.draft.model import load_draft
 from common.errors import PipelineError
-from common.evaluate import (
+from common.evaluate.decoding import SamplingParams, stop_token_ids
+from common.evaluate.measure import (
     DraftReport,
     check_data,
     check_draft,
@@ -51,14 +53,11 @@ from common.evaluate import (
     untrained_draft,
     write_report,
 )
-from common.hidden_states import load_target_model
-from common.prepare import load_tokenizer
-from common.prepared import check_prepared_target, load_prepared
-from common.speculative import SamplingParams, stop_token_ids
-from common.target import DTYPES, load_target_info
-from common.training import load_hidden_states
-from common.vllm_engine import EngineSettings, add_engine_args, check_vllm_python, engine_table, measure_with_vllm
-
+from common.target.config import DTYPES, load_target_info
+from common.target.device_plan import check_placement_flags
+from common.target.model import load_text_model
+from common.train.trainer import load_hidden_states
+from common.vllm.client import EngineSettings, add_engine_args, check_vllm_python, engine_table, measure_with_vllm
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = None
     if not args.offline_only:
         context = max((len(p.ids) for p in prompts), default=0) + args.max_new_tokens + k + 1  # longest sequence
-        model = load_target_model(info, dtype, str(device), args.device_map, args.max_memory, context, logits=True)
+        model = load_text_model(info, dtype, str(device), args.device_map, args.max_memory, context, logits=True)
         stop_ids = stop_token_ids(info.path, info.text_config)
         mode = "greedy" if sampling.greedy else f"sampling at temperature {args.temperature}, top-p {args.top_p}"
         print(f"decoding {len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a "

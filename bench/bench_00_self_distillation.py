@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.conversations import iter_records, resolve_inputs  # noqa: E402
+from common.data.conversations import iter_records, resolve_inputs  # noqa: E402
 
 DEMO = sorted((ROOT / "data").glob("demo_*.jsonl"))
 

@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from common.fixtures import DEMO_CONVERSATIONS, ensure_target  # noqa: E402
-from common.hidden_states import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
-from common.target import load_target_info, load_text_model  # noqa: E402
+from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target  # noqa: E402
+from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
+from common.target.config import load_target_info  # noqa: E402
+from common.target.model import load_text_model  # noqa: E402
 
 
 def demo_samples(target: Path, count: int) -> list[list[int]]:

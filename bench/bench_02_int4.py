@@ -35,10 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from common.fixtures import DEFAULT_CACHE, FIXTURE_VERSION, write_kimi_target  # noqa: E402
-from common.miniature_lm import LMSettings  # noqa: E402
-from common.int4_experts import PACKED_PARAMS, PackedLinear  # noqa: E402
-from common.target import load_target_info, load_text_model, weight_map  # noqa: E402
+from common.defaults import FIXTURE_VERSION, TARGET_CACHE  # noqa: E402
+from common.fixtures.miniature_lm import LMSettings  # noqa: E402
+from common.fixtures.targets import write_kimi_target  # noqa: E402
+from common.target.config import load_target_info, weight_map  # noqa: E402
+from common.target.int4_experts import PACKED_PARAMS, PackedLinear  # noqa: E402
+from common.target.model import load_text_model  # noqa: E402
 
 EXPERTS_DOMINATE = {"hidden_size": 128, "moe_intermediate_size": 512, "n_routed_experts": 256,
                     "num_experts_per_tok": 8}
@@ -47,10 +49,10 @@ GOAL = 1.15
 
 def ensure_variant(int4: bool) -> Path:
     """The experts-dominate variant (INT4 or bf16 experts, same weights), written once and cached."""
-    final = DEFAULT_CACHE / f"bench-experts-{'int4' if int4 else 'bf16'}-v{FIXTURE_VERSION}"
+    final = TARGET_CACHE / f"bench-experts-{'int4' if int4 else 'bf16'}-v{FIXTURE_VERSION}"
     if not (final / "config.json").exists():
-        DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=DEFAULT_CACHE))
+        TARGET_CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=TARGET_CACHE))
         # Few LM steps: this variant measures speed and memory, not what the model says.
         write_kimi_target(tmp, int4_experts=int4, text_overrides=EXPERTS_DOMINATE, num_shards=16,
                           lm_settings=LMSettings(steps=20))

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from common.extract_io import Journal, find_done, ids_digest, journal_path, sample_path  # noqa: E402
+from common.hidden_states.files import Journal, find_done, ids_digest, journal_path, sample_path  # noqa: E402
 
 DEFAULT_SAMPLES = 100_000
 TOKENS, HIDDEN = 32, 8

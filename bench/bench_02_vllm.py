@@ -25,14 +25,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from bench_02_extract import demo_samples  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
-from bench_02_extract import demo_samples  # noqa: E402
-from common.fixtures import ensure_target  # noqa: E402
-from common.hidden_states import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
-from common.target import load_target_info, load_text_model  # noqa: E402
-from common.vllm_engine import EngineSettings, VllmStateExtractor, VllmWorker, check_vllm_python, \
-    final_norm_of  # noqa: E402
+from common.fixtures.targets import ensure_target  # noqa: E402
+from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
+from common.target.config import load_target_info  # noqa: E402
+from common.target.model import load_text_model  # noqa: E402
+from common.vllm.client import (
+    EngineSettings,
+    VllmStateExtractor,
+    VllmWorker,
+    check_vllm_python,
+    final_norm_of,  # noqa: E402
+)
 
 
 def extract(extractor, samples: list[list[int]], batch_tokens: int) -> float:

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from common.fixtures import KIMI_VOCAB_SIZE  # noqa: E402
-from common.prepared import PrepareReport, load_prepared  # noqa: E402
+from common.data.prepared_dataset import PrepareReport, load_prepared  # noqa: E402
+from common.fixtures.targets import KIMI_VOCAB_SIZE  # noqa: E402
 from common.vocab import count_supervised_tokens  # noqa: E402
 
 DEFAULT_SAMPLES = 20_000

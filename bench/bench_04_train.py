@@ -25,11 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from common import patch  # noqa: E402
-from common.draft import TINY_CONFIG, build_draft, read_config_file, speculator_config  # noqa: E402
-from common.fixtures import REPO_ROOT, ensure_target  # noqa: E402
-from common.target import load_target_info  # noqa: E402
-from common.training import (  # noqa: E402
+from common.defaults import REPO_ROOT  # noqa: E402
+from common.draft import patch  # noqa: E402
+from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config  # noqa: E402
+from common.fixtures.targets import ensure_target  # noqa: E402
+from common.target.config import load_target_info  # noqa: E402
+from common.train.trainer import (  # noqa: E402
     TrainSettings,
     epoch_tokens,
     load_hidden_states,

@@ -29,10 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from common.cli import DEFAULT_RUN_DIR  # noqa: E402
-from common.draft import load_draft  # noqa: E402
+from common.data.prepared_dataset import load_prepared  # noqa: E402
+from common.defaults import DEFAULT_RUN_DIR  # noqa: E402
+from common.draft.model import load_draft  # noqa: E402
 from common.errors import PipelineError  # noqa: E402
-from common.evaluate import (  # noqa: E402
+from common.evaluate.decoding import stop_token_ids  # noqa: E402
+from common.evaluate.measure import (  # noqa: E402
     check_draft,
     degenerate_share,
     held_out,
@@ -41,11 +43,10 @@ from common.evaluate import (  # noqa: E402
     measure_greedy,
     select_prompts,
 )
-from common.fixtures import ensure_target  # noqa: E402
-from common.prepared import load_prepared  # noqa: E402
-from common.speculative import stop_token_ids  # noqa: E402
-from common.target import load_target_info, load_text_model  # noqa: E402
-from common.training import load_hidden_states  # noqa: E402
+from common.fixtures.targets import ensure_target  # noqa: E402
+from common.target.config import load_target_info  # noqa: E402
+from common.target.model import load_text_model  # noqa: E402
+from common.train.trainer import load_hidden_states  # noqa: E402
 
 
 def run(run_dir: Path = DEFAULT_RUN_DIR, draft: Path | None = None, target: Path | None = None,

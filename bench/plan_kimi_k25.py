@@ -24,15 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from common.device_plan import (  # noqa: E402
+from common.fixtures.targets import KIMI_TEXT_CONFIG  # noqa: E402
+from common.target.device_plan import (  # noqa: E402
     DevicePlanError,
     activation_headroom,
     block_sizes,
     parse_size,
     plan_device_map,
 )
-from common.fixtures import KIMI_TEXT_CONFIG  # noqa: E402
-from common.int4_experts import (  # noqa: E402
+from common.target.int4_experts import (  # noqa: E402
     PackedLinear,
     kimi_quantization_config,
     packed_modules,

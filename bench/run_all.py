@@ -23,7 +23,7 @@ import bench_03_vocab  # noqa: E402
 import bench_04_train  # noqa: E402
 import bench_05_speculative  # noqa: E402
 
-from common.cli import DEFAULT_RUN_DIR  # noqa: E402
+from common.defaults import DEFAULT_RUN_DIR  # noqa: E402
 
 
 def rows(quick: bool, run_dir: Path) -> list[tuple[str, str, str, str, str]]:

@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from common.fixtures import REPO_ROOT, ensure_target
+from tqdm import tqdm
 
-DEFAULT_RUN_DIR = REPO_ROOT / "runs" / "default"
-STAGE_DIRS = {
-    "prepared": "prepared",
-    "hidden_states": "hidden_states",
-    "vocab": "vocab",
-    "checkpoints": "checkpoints",
-    "draft": "draft",
-    "regenerated": "regenerated",
-}
+from common.defaults import DEFAULT_RUN_DIR, DEFAULT_TARGET_KIND, REPO_ROOT, cached_target_path
+from common.errors import PipelineError
+
+STAGES = ("prepared", "hidden_states", "vocab", "checkpoints", "draft", "regenerated")  # RUN_DIR/<stage>
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -41,23 +37,29 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 
 def stage_dir(args: argparse.Namespace, stage: str, override: Path | None = None) -> Path:
     """The folder of `stage`: the explicit flag if given, else `RUN_DIR/<stage>`."""
-    return Path(override) if override is not None else Path(args.run_dir) / STAGE_DIRS[stage]
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage folder {stage!r}")
+    return Path(override) if override is not None else Path(args.run_dir) / stage
 
 
 def resolve_target(args: argparse.Namespace) -> tuple[Path, bool]:
     """(target folder, trust_remote_code). The built-in default target is the project's own
     code, so remote code is trusted for it without the flag."""
     if args.target is None:
-        return ensure_target("kimi"), True
+        return builtin_target(), True
     return Path(args.target), bool(args.trust_remote_code)
 
 
-DEMO_DATA_GLOB = "demo_*.jsonl"
-
-
-def default_input() -> list[Path]:
-    """Every shipped demo file (`data/demo_*.jsonl`: chat, reasoning and tool use), in name order."""
-    return sorted((REPO_ROOT / "data").glob(DEMO_DATA_GLOB))
+def builtin_target(kind: str = DEFAULT_TARGET_KIND) -> Path:
+    """The cached built-in miniature target, built on first use by the fixture program in its own
+    process (so no stage imports the fixtures' LM trainer; its progress goes to this terminal)."""
+    path = cached_target_path(kind)
+    if not (path / "config.json").exists():
+        print(f"building the built-in {kind} miniature target into {path} (once; ~12 minutes on 2 CPU cores)",
+              file=sys.stderr)
+        if subprocess.run([sys.executable, "-m", "common.fixtures", kind], cwd=REPO_ROOT).returncode != 0:
+            raise PipelineError(f"building the built-in {kind} target failed (python -m common.fixtures {kind})")
+    return path
 
 
 class Terminated(BaseException):
@@ -79,8 +81,6 @@ def run_main(main: Callable[[], int | None]) -> None:
     SIGINT keeps the disposition the script was started with: Python turns it into
     KeyboardInterrupt unless the launcher ignored it (`cmd &` in a non-interactive shell does,
     so that Ctrl-C in the terminal spares background jobs); SIGTERM is always handled."""
-    from common.errors import PipelineError
-
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         sys.exit(main() or 0)

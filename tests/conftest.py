@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common.fixtures import DEMO_CONVERSATIONS, REPO_ROOT, ensure_targets
+from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
+from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_targets
 
 
 def _session_copy(kind: str, tmp_path_factory) -> Path:
@@ -41,8 +42,6 @@ def any_target(request) -> Path:
 def vllm_python() -> Path:
     """The vLLM environment's python (scripts/setup_vllm_env.sh); CI sets REQUIRE_VLLM=1, which
     makes a missing one a failure instead of a skip."""
-    from common.vllm_engine import DEFAULT_VLLM_PYTHON
-
     if DEFAULT_VLLM_PYTHON.is_file():
         return DEFAULT_VLLM_PYTHON
     if os.environ.get("REQUIRE_VLLM") == "1":

@@ -1,4 +1,4 @@
-"""Step 00 (common/regenerate.py, common/assistant_output.py): the regenerated turns are the
+"""Step 00 (common/regenerate/run.py, common/regenerate/assistant_output.py): the regenerated turns are the
 target's own greedy generations given the regenerated history, 01's masks on the output cover
 exactly the assistant turns, a SIGKILLed run resumes without repeating or losing a conversation,
 bad records are skipped and counted, and a generation is read back into reasoning, content and
@@ -16,18 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from common.assistant_output import MalformedToolCall, parse_assistant_text
-from common.conversations import Conversation, Message, ToolCall, to_conversation
-from common.fixtures import REPO_ROOT
-from common.hidden_states import load_target_model
-from common.prepare import PrepareOptions, load_tokenizer, prepare
-from common.prepared import load_prepared
-from common.regenerate import TOOL_CALLS_DIVERGED, RegenerateOptions, _Turns, regenerate
-from common.regenerate_engines import HfEngine
-from common.speculative import greedy_generate, stop_token_ids
-from common.target import load_target_info
 from conftest import run_script
+
+from common.data.conversations import Conversation, Message, ToolCall, to_conversation
+from common.data.prepare import PrepareOptions, load_tokenizer, prepare
+from common.data.prepared_dataset import load_prepared
+from common.defaults import REPO_ROOT
+from common.evaluate.decoding import greedy_generate, stop_token_ids
+from common.regenerate.assistant_output import MalformedToolCall, parse_assistant_text
+from common.regenerate.engines import HfEngine
+from common.regenerate.run import TOOL_CALLS_DIVERGED, RegenerateOptions, _Turns, regenerate
+from common.target.config import load_target_info
+from common.target.model import load_text_model
 
 SCRIPT = "00_regenerate.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -47,7 +47,7 @@ def script_args(target: Path, output: Path) -> list[str | Path]:
 @pytest.fixture(scope="module")
 def kimi(kimi_target):
     info = load_target_info(kimi_target)
-    model = load_target_model(info, torch.float32, "cpu", None, logits=True)
+    model = load_text_model(info, torch.float32, "cpu", None, logits=True)
     tokenizer = load_tokenizer(kimi_target, True)
     return info, model, tokenizer, stop_token_ids(info.path, info.text_config)
 

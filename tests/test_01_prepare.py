@@ -9,14 +9,21 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.conversations import (Conversation, Message, Rejection, ToolCall, iter_records, resolve_inputs,
-                                  to_conversation)
-from common.cli import default_input
+from common.data.conversations import (
+    Conversation,
+    Message,
+    Rejection,
+    ToolCall,
+    iter_records,
+    resolve_inputs,
+    to_conversation,
+)
+from common.data.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
+from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
+from common.data.prepared_dataset import COLUMNS, PrepareReport, load_prepared
+from common.defaults import REPO_ROOT, demo_inputs
 from common.errors import PipelineError
-from common.fixtures import FLAT_CHAT_TEMPLATE, REPO_ROOT
-from common.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
-from common.prepare import PrepareOptions, prepare, summary_lines, warning_lines
-from common.prepared import COLUMNS, PrepareReport, load_prepared
+from common.fixtures.targets import FLAT_CHAT_TEMPLATE
 from tests.conftest import run_script
 
 # --- loss masks ------------------------------------------------------------------------------
@@ -523,10 +530,10 @@ def test_bad_flag_values(kimi_target, demo_conversations, tmp_path):
             _prepare(kimi_target, [demo_conversations], tmp_path / "out", **kwargs)
 
 
-def test_default_input_is_every_shipped_demo_file():
-    names = [p.name for p in default_input()]
+def test_demo_inputs_are_every_shipped_demo_file():
+    names = [p.name for p in demo_inputs()]
     assert {"demo_conversations.jsonl", "demo_agentic.jsonl"} <= set(names) and names == sorted(names)
-    assert all(p.parent == REPO_ROOT / "data" and p.name.startswith("demo_") for p in default_input())
+    assert all(p.parent == REPO_ROOT / "data" and p.name.startswith("demo_") for p in demo_inputs())
 
 
 def test_demo_agentic_data_is_clean_and_agentic(demo_conversations):

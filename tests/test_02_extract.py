@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_script
 from datasets import Dataset
 from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
+from common.data.prepared_dataset import PrepareReport
+from common.defaults import REPO_ROOT
 from common.errors import PipelineError
-from common import extract_io
-from common.extract_io import DATA_CONFIG, SAMPLE_LENGTHS, DataConfig, list_sample_files, sample_path, save_sample
-from common.fixtures import REPO_ROOT
-from common.hidden_states import (
+from common.hidden_states import files as state_files
+from common.hidden_states.capture import (
     StateExtractor,
     estimate_bytes,
     plan_batches,
@@ -32,11 +33,18 @@ from common.hidden_states import (
     validate_layer_ids,
     verify_samples,
 )
-from common.prepared import PrepareReport
-from common.int4_experts import PackedLinear, dequantize_packed
-from common.state_storage import FP32_CHECK, SCALES_KEY, STORAGES
-from common.target import load_target_info, load_text_model
-from conftest import run_script
+from common.hidden_states.files import (
+    DATA_CONFIG,
+    SAMPLE_LENGTHS,
+    DataConfig,
+    list_sample_files,
+    sample_path,
+    save_sample,
+)
+from common.hidden_states.storage import FP32_CHECK, SCALES_KEY, STORAGES
+from common.target.config import load_target_info
+from common.target.int4_experts import PackedLinear, dequantize_packed
+from common.target.model import load_text_model
 
 SCRIPT = "02_extract_hidden_states.py"
 NUM_SAMPLES = 32
@@ -272,13 +280,13 @@ def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatc
     hidden = 8
     rows = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
     ds = Dataset.from_dict({"input_ids": rows})
-    journal = extract_io.Journal(extract_io.journal_path(tmp_path, 0, 1))
+    journal = state_files.Journal(state_files.journal_path(tmp_path, 0, 1))
     for i, ids in enumerate(rows):
         n = len(ids)
         size = save_sample(tmp_path, i, torch.tensor(ids), [torch.zeros(n, hidden, dtype=torch.bfloat16)] * 4,
                            torch.ones(n, dtype=torch.long))
         if i != 3:  # row 3: killed between its file and its journal line
-            journal.add(i, size, extract_io.ids_digest(ids))
+            journal.add(i, size, state_files.ids_digest(ids))
     journal.file.write("4 12")  # a line cut short by the kill
     journal.close()
     truncated = sample_path(tmp_path, 1)
@@ -287,9 +295,9 @@ def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatc
                      with_indices=True)  # row 2 re-prepared with other ids
 
     loaded = []
-    original = extract_io.is_valid_sample
-    monkeypatch.setattr(extract_io, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
-    done, redo = extract_io.find_done(tmp_path, changed, set(range(len(rows))), hidden)
+    original = state_files.is_valid_sample
+    monkeypatch.setattr(state_files, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
+    done, redo = state_files.find_done(tmp_path, changed, set(range(len(rows))), hidden)
     assert done == {0, 3, 4} and redo == 2
     assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
     assert not sample_path(tmp_path, 1).exists() and not sample_path(tmp_path, 2).exists()
@@ -370,7 +378,7 @@ def test_an_error_other_than_out_of_memory_stops_the_run(kimi_target, tmp_path, 
 
 
 def test_systematic_out_of_memory_stops_past_the_skip_limit(kimi_target, tmp_path, monkeypatch):
-    from common.hidden_states import MIN_SKIPPED_LIMIT
+    from common.hidden_states.capture import MIN_SKIPPED_LIMIT
 
     prepared = write_prepared(tmp_path / "prepared", kimi_target, MIN_SKIPPED_LIMIT + 4)
     monkeypatch.setattr(StateExtractor, "__call__", lambda self, ids: (_ for _ in ()).throw(
@@ -382,7 +390,7 @@ def test_systematic_out_of_memory_stops_past_the_skip_limit(kimi_target, tmp_pat
 
 def test_disk_check_refuses_a_small_disk(kimi_target, tmp_path, monkeypatch):
     prepared = write_prepared(tmp_path / "prepared", kimi_target, 5)
-    monkeypatch.setattr("common.extract_io.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(10**6, 10**6, 1000))
+    monkeypatch.setattr("common.hidden_states.files.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(10**6, 10**6, 1000))
     args = extract_args(prepared, kimi_target, tmp_path / "hs", "--max-samples", "3")
     with pytest.raises(PipelineError, match="0.0 GB free, the samples still to extract need.*--skip-disk-check"):
         load_script().main(args)
@@ -403,7 +411,7 @@ def test_disk_check_counts_fp8_as_half(kimi_target, tmp_path, monkeypatch):
     tokens = sum(len(r) for r in Dataset.load_from_disk(str(prepared))[:3]["input_ids"])
     fp8, bf16 = (estimate_bytes(tokens, 3, 64, STORAGES[name]) for name in ("fp8", "bf16"))
     free = (fp8 + bf16) // 2
-    monkeypatch.setattr("common.extract_io.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(free, free, free))
+    monkeypatch.setattr("common.hidden_states.files.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(free, free, free))
     with pytest.raises(PipelineError, match="need about"):
         load_script().main(extract_args(prepared, kimi_target, tmp_path / "bf16", "--max-samples", "3"))
     load_script().main(extract_args(prepared, kimi_target, tmp_path / "fp8", "--max-samples", "3", "--storage", "fp8"))

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_script
 from datasets import Dataset
 from speculators.train.vocab_mapping import (
     build_vocab_mappings_from_distribution,
     save_token_frequency_distribution,
 )
 
+from common.data.prepared_dataset import PrepareReport, check_prepared_target, load_prepared
+from common.defaults import REPO_ROOT
 from common.errors import PipelineError
-from common.fixtures import REPO_ROOT
-from common.prepared import PrepareReport, check_prepared_target, load_prepared
 from common.vocab import (
     FREQ_LAYOUT,
     build_maps,
@@ -26,7 +27,6 @@ from common.vocab import (
     make_report,
     write_vocab,
 )
-from conftest import run_script
 
 SCRIPT = "03_build_vocab_map.py"
 VOCAB = 1000  # vocabulary of the config-only target used by most tests

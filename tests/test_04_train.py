@@ -22,11 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_script
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from common import checkpoints, patch
-from common.draft import (
+from common.defaults import REPO_ROOT
+from common.draft import patch
+from common.draft.model import (
     KIMI_CONFIG,
     NOT_EXPORTED,
     TINY_CONFIG,
@@ -37,11 +39,11 @@ from common.draft import (
     speculator_config,
 )
 from common.errors import PipelineError
-from common.extract_io import SAMPLE_LENGTHS, DataConfig, save_sample
-from common.fixtures import REPO_ROOT
-from common.state_storage import STORAGES
-from common.target import load_target_info
-from common.training import (
+from common.hidden_states.files import SAMPLE_LENGTHS, DataConfig, save_sample
+from common.hidden_states.storage import STORAGES
+from common.target.config import load_target_info
+from common.train import checkpoints
+from common.train.trainer import (
     TrainSettings,
     best_validation,
     evaluate,
@@ -52,7 +54,6 @@ from common.training import (
     split_data,
 )
 from common.vocab import build_maps, load_vocab
-from conftest import run_script
 
 SCRIPT = "04_train.py"
 SEQ = 512  # --total-seq-len of the test runs: short sequences, many optimizer steps

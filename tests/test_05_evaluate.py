@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_script as run_any_script
 from datasets import Dataset
 from safetensors.torch import save_file
 
-from common import patch
-from common.draft import TINY_CONFIG, build_draft, export_draft, read_config_file, speculator_config
+from common.data.prepared_dataset import load_prepared
+from common.draft import patch
+from common.draft.model import TINY_CONFIG, build_draft, export_draft, read_config_file, speculator_config
 from common.errors import PipelineError
-from common.evaluate import DraftReport, MeasuredResult, check_draft, gap_notes, select_prompts, summary_table
-from common.hidden_states import capture_layers, decoder_parts
-from common.prepared import load_prepared
-from common.speculative import (
+from common.evaluate.decoding import (
     DraftProposer,
     Generation,
     Proposal,
@@ -30,11 +29,13 @@ from common.speculative import (
     speculative_generate,
     stop_token_ids,
 )
-from common.int4_experts import PackedLinear
-from common.target import load_target_info, load_text_model
-from common.training import simulated_acceptance_length
+from common.evaluate.measure import DraftReport, MeasuredResult, check_draft, gap_notes, select_prompts, summary_table
+from common.hidden_states.capture import capture_layers
+from common.target.config import load_target_info
+from common.target.int4_experts import PackedLinear
+from common.target.model import decoder_parts, load_text_model
+from common.train.trainer import simulated_acceptance_length
 from common.vocab import build_maps
-from conftest import run_script as run_any_script
 
 SCRIPT = "05_evaluate.py"
 K = 3

@@ -1,4 +1,4 @@
-"""`--device-map auto` planning (common/device_plan.py): real packed bytes per block, explicit
+"""`--device-map auto` planning (common/target/device_plan.py): real packed bytes per block, explicit
 budgets, activation headroom, refusal instead of offloading. Pure arithmetic, so it runs on CPU
 with fake device budgets; the placement itself needs GPUs."""
 
@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_script
 
-from common.device_plan import (
+from common.target.config import load_target_info, read_tensors, weight_map
+from common.target.device_plan import (
     GIB,
     DevicePlanError,
     activation_headroom,
@@ -17,9 +19,8 @@ from common.device_plan import (
     parse_size,
     plan_device_map,
 )
-from common.int4_experts import PackedLinear
-from common.target import empty_text_model, load_target_info, load_text_model, read_tensors, weight_map
-from conftest import run_script
+from common.target.int4_experts import PackedLinear
+from common.target.model import empty_text_model, load_text_model
 
 GPUS = [f"cuda:{i}" for i in range(4)]
 

@@ -32,15 +32,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from common.atomic import TMP_PREFIX
-from common.draft import TINY_CONFIG
-from common.extract_io import SAMPLE_LENGTHS, DataConfig, is_valid_sample, list_sample_files, sample_path
-from common.fixtures import REPO_ROOT
 from conftest import run_script
 from test_02_extract import BATCH_TOKENS, assert_same_files, extract_args, folder_digest, write_prepared
 from test_04_train import write_hidden_states
 from test_05_evaluate import export_untrained
+
+from common.atomic import TMP_PREFIX
+from common.defaults import REPO_ROOT
+from common.draft.model import TINY_CONFIG
+from common.hidden_states.files import SAMPLE_LENGTHS, DataConfig, is_valid_sample, list_sample_files, sample_path
 
 pytestmark = pytest.mark.slow
 

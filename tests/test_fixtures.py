@@ -1,4 +1,4 @@
-"""The miniature targets look like what they imitate, and common/target.py reads both."""
+"""The miniature targets look like what they imitate, and common/target/config.py reads both."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from common import fixtures
-from common.fixtures import (
-    DATA_DIR,
+from common import defaults
+from common.defaults import DATA_DIR, demo_inputs, fixture_key
+from common.evaluate.decoding import distinct_ratio, longest_run, stop_token_ids
+from common.fixtures.miniature_lm import LMSettings, _param_groups, greedy_continuations
+from common.fixtures.targets import (
     DEMO_CONVERSATIONS,
     FLAT_LM,
     KIMI_LM,
@@ -19,14 +21,12 @@ from common.fixtures import (
     KIMI_SPECIAL_TOKENS,
     KIMI_TEXT_CONFIG,
     ensure_target,
-    fixture_key,
     main,
     write_kimi_target,
 )
-from common.int4_experts import PACKED_PARAMS
-from common.miniature_lm import LMSettings, _param_groups, corpus_files, greedy_continuations
-from common.speculative import distinct_ratio, longest_run, stop_token_ids
-from common.target import TargetError, load_target_info, load_text_model, read_tensors, weight_map
+from common.target.config import TargetError, load_target_info, read_tensors, weight_map
+from common.target.int4_experts import PACKED_PARAMS
+from common.target.model import load_text_model
 
 
 def test_kimi_config_is_nested_like_the_real_one(kimi_target):
@@ -88,9 +88,9 @@ def test_kimi_target_is_deterministic(kimi_target, tmp_path):
 
 def test_cache_key_follows_the_corpus(tmp_path, monkeypatch):
     key = fixture_key()
-    for path in corpus_files(DATA_DIR):
+    for path in demo_inputs(DATA_DIR):
         (tmp_path / path.name).write_bytes(path.read_bytes())
-    monkeypatch.setattr(fixtures, "DATA_DIR", tmp_path)
+    monkeypatch.setattr(defaults, "DATA_DIR", tmp_path)
     assert fixture_key() == key
     (tmp_path / "demo_more.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert fixture_key() != key

@@ -1,4 +1,4 @@
-"""INT4 routed experts (common/int4_experts.py): written and read with compressed-tensors, kept
+"""INT4 routed experts (common/target/int4_experts.py): written and read with compressed-tensors, kept
 packed in memory, exact against the library's own decompression, refused when malformed."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from safetensors.torch import load_file, save_file
 
-from common.int4_experts import (
+from common.draft.patch import find_weight_keys
+from common.target.config import TargetError, load_target_info, read_tensors, weight_map
+from common.target.int4_experts import (
     PACKED_PARAMS,
     PackedLinear,
     QuantizedTargetError,
@@ -24,8 +26,7 @@ from common.int4_experts import (
     parse_quantization_config,
     quantize_routed_experts,
 )
-from common.patch import find_weight_keys
-from common.target import TargetError, load_target_info, load_text_model, read_tensors, weight_map
+from common.target.model import load_text_model
 
 EXPERT = "language_model.model.layers.1.mlp.experts.3.down_proj"
 
@@ -211,7 +212,7 @@ def test_config_and_checkpoint_that_disagree_are_refused(kimi_target, tmp_path):
 
 
 def test_bf16_variant_has_the_same_weights_before_quantization(kimi_target):
-    from common.fixtures import ensure_target
+    from common.fixtures.targets import ensure_target
 
     bf16 = ensure_target("kimi-bf16")
     assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())["text_config"]

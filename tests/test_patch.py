@@ -1,4 +1,4 @@
-"""common/patch.py against the unpatched speculators 0.3.0: the Kimi-K2.5 embeddings/lm_head
+"""common/draft/patch.py against the unpatched speculators 0.3.0: the Kimi-K2.5 embeddings/lm_head
 setup, the CPU attention fallback, the device-agnostic checkpointer and the eager forward."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from speculators.train.vocab_mapping import build_vocab_mappings_from_distributi
 from speculators.utils.loading import load_model_layers
 from transformers import AutoConfig
 
-from common import patch
-from common.draft import DraftShape, speculator_config
-from common.target import TargetError, load_target_info, read_tensors
+from common.draft import patch
+from common.draft.model import DraftShape, speculator_config
+from common.target.config import TargetError, load_target_info, read_tensors
 
 SHAPE = DraftShape(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16, intermediate_size=128)

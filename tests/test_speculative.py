@@ -1,4 +1,4 @@
-"""common/speculative.py's decoding rules on tiny hand-built distributions: speculative sampling
+"""common/evaluate/decoding.py's decoding rules on tiny hand-built distributions: speculative sampling
 emits the target's distribution (and a deliberately wrong rule is caught by the same test),
 top-p, n-gram prompt lookup, and the loop measures 05 reports."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.speculative import (
+from common.evaluate.decoding import (
     NgramProposer,
     Proposal,
     SamplingParams,

@@ -1,4 +1,4 @@
-"""Hidden-state storage (common/state_storage.py): per-row scaled e4m3 against its error bound,
+"""Hidden-state storage (common/hidden_states/storage.py): per-row scaled e4m3 against its error bound,
 outliers in the thousands, bytes per token, the sample file and the library's dataset reading it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from speculators.train.data import Eagle3SampleFileDataset, standardize_data_v1
 
 from common.errors import PipelineError
-from common.extract_io import NUM_STATES, is_valid_sample, save_sample, sample_path
-from common.state_storage import (
+from common.hidden_states.files import NUM_STATES, is_valid_sample, sample_path, save_sample
+from common.hidden_states.storage import (
     FP8_DTYPE,
     SCALES_KEY,
     STORAGES,

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from common.vllm_engine import _log_cause, rms_norm
 from conftest import run_script
+
+from common.vllm.client import _log_cause, rms_norm
 
 pytestmark = [pytest.mark.vllm]
 K = 3
@@ -165,8 +165,9 @@ def test_layer_id_out_of_range_is_refused_before_the_engine(flat_target, tmp_pat
 
 def test_final_norm_matches_the_target(flat_target):
     """rms_norm with the checkpoint's weight reproduces the HF model's own final norm."""
-    from common.target import load_target_info, load_text_model
-    from common.vllm_engine import final_norm_of
+    from common.target.config import load_target_info
+    from common.target.model import load_text_model
+    from common.vllm.client import final_norm_of
 
     info = load_target_info(flat_target)
     model = load_text_model(info)

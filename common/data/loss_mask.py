@@ -1,0 +1,352 @@
+"""Render a conversation with the target tokenizer's own chat template and build its loss mask.
+
+The mask is 1 on exactly what the target generates for each assistant turn after the generation
+prompt: for Kimi (prompt `<|im_assistant|>assistant<|im_middle|><think>`) the reasoning,
+`</think>`, the content, the tool-call section and `<|im_end|>`; for a turn without reasoning,
+instant-mode data, the prompt is `...<|im_middle|><think></think>` and the mask starts after it.
+For ChatML it is everything after `<|im_start|>assistant\\n` through `<|im_end|>`.
+
+Reasoning of earlier turns. Kimi's template renders every turn up to the last assistant turn
+without tool calls with an empty think block (at inference Kimi drops old reasoning from its
+context) unless `preserve_thinking=True`. Rendered that way, no final answer of a training
+conversation would show its reasoning. So a template switch that keeps reasoning
+(`REASONING_SWITCHES`) is passed when the template has one: every turn is supervised with its
+own reasoning, in one sample per conversation; later turns then see earlier reasoning in their
+context, which Kimi would not (a context difference accepted for linear cost). A turn whose
+reasoning the template still drops (a template without such a switch) is not supervised and is
+counted (`Rendering.stripped_turns`): an emptied think block is never trained on silently.
+
+No offset mapping is needed (Kimi's tokenizer is a slow tiktoken one without them), and nothing
+is specific to one model; everything is read off the template's own output:
+
+1. Spans in the text. The conversation is rendered twice: as is, and with every content and
+   reasoning string replaced by a unique sentinel. The sentinel rendering splits into the
+   template's literal text and the places of each string; walking both renderings side by side
+   locates every string in the real text (templates may trim it). Rendering prefixes
+   `messages[:i]` would not work: Kimi renders an assistant turn differently (with or without
+   its reasoning) depending on whether a user message follows it.
+2. The supervised span of an assistant turn starts after the last assistant header in the
+   literal text before its first string, extended over the longest generation prompt (thinking
+   or instant mode, read off the template) the text there starts with, and ends after the first
+   end-of-turn token in the literal text after its last string (tool calls are literal text in
+   between). The assistant header is the generation prompt cut after the role separator (the
+   text the template puts between a role name and its content, read off a user turn); the
+   end-of-turn token is the first special token the template puts after an assistant message.
+3. Tokens. The text is tokenized once. Tokenizers split added tokens off before anything else,
+   so the special ids in the result match, in order, the special tokens found in the text, and
+   the runs of ids between them match the text between them (checked on every sample). A span
+   boundary inside such a run (ChatML's `assistant\\n` header is plain text) is placed by
+   tokenizing the run's text up to the boundary and comparing it with the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from common.data.conversations import Message
+from common.errors import PipelineError
+
+__all__ = ["ChatMasker", "Encoded", "MaskError", "Rendering", "template_sha256"]
+
+# Drop reasons of this stage (the report's keys).
+TEMPLATE_ERROR = "template_error"
+TEMPLATE_MISMATCH = "template_mismatch"
+TOKENIZER_MISMATCH = "tokenizer_mismatch"
+NO_SUPERVISED_TOKENS = "no_supervised_tokens"
+
+# Template variables that keep every turn's reasoning, and their value (Kimi: preserve_thinking).
+REASONING_SWITCHES = {"preserve_thinking": True}
+# Template variables that ask for the instant-mode (no thinking) generation prompt.
+INSTANT_MODE = {"thinking": False, "enable_thinking": False}
+
+# Private-use code points: no template alters them and no real text contains them.
+SENTINEL = "\ue000{}\ue001"
+SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+
+# No system message: some templates (Gemma's) reject one. The last turn has no reasoning, so a
+# template that drops earlier reasoning still leaves a turn to check.
+PROBE = (
+    Message("user", "What is 2 + 2?"),
+    Message("assistant", "It is 4.", "Add the numbers."),
+    Message("user", "And 3 + 3?\n"),
+    Message("assistant", " 6, of course.\n"),
+)
+
+
+class MaskError(Exception):
+    """One conversation that cannot be rendered or masked; `reason` is a report key."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """A rendered conversation, its supervised character spans and what they hold."""
+
+    text: str
+    spans: list[tuple[int, int]]  # [start, end) per supervised assistant turn
+    reasoning_turns: int = 0  # supervised turns whose reasoning is in the text
+    stripped_turns: int = 0  # turns with reasoning the template dropped: not supervised
+    tool_calls: int = 0  # tool calls of supervised turns
+    tool_calls_not_rendered: int = 0  # ... that the template does not render
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on supervised tokens
+    rendering: Rendering | None = None
+
+
+def template_sha256(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.get_chat_template().encode("utf-8")).hexdigest()
+
+
+class ChatMasker:
+    """Encodes conversations for one tokenizer; built once, then `encode` per conversation."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        try:
+            source = tokenizer.get_chat_template()
+        except ValueError as e:
+            raise PipelineError(f"tokenizer {tokenizer.name_or_path}: no chat template ({e})") from e
+        self.switches = {k: v for k, v in REASONING_SWITCHES.items() if k in source}
+        # Added tokens the tokenizer splits off verbatim (no stripping or normalisation).
+        self.cut_ids = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
+                        if not (t.lstrip or t.rstrip or t.single_word) and (t.special or not t.normalized)}
+        self._cut_id_set = set(self.cut_ids.values())
+        self._cut_re = re.compile("|".join(map(re.escape, sorted(self.cut_ids, key=len, reverse=True))) or "(?!)")
+        try:
+            self.header = self._assistant_header()
+            self.prompts = self._generation_prompts()
+            self.end_of_turn = self._end_of_turn()
+            self.renders_tool_calls = self._renders_tool_calls()
+            self._check_probe()
+        except MaskError as e:
+            raise PipelineError(f"tokenizer {tokenizer.name_or_path}: cannot build loss masks ({e})") from e
+
+    # --- public -----------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """How conversations are rendered and masked (the report's `rendering`)."""
+        return {
+            "template_switches": dict(self.switches),
+            "earlier_turns_reasoning": ("kept: every turn is supervised with its reasoning ("
+                                        + ", ".join(f"{k}={v}" for k, v in self.switches.items()) + ")"
+                                        if self.switches else "as the template renders it; a turn whose "
+                                        "reasoning it drops is not supervised (stripped_turns)"),
+            "generation_prompts": list(self.prompts),
+            "end_of_turn": self.end_of_turn,
+            "renders_tool_calls": self.renders_tool_calls,
+            "media_parts": "dropped from the text and counted (the language model alone cannot compute "
+                           "what a media placeholder stands for)",
+        }
+
+    def encode(self, messages: Sequence[Message], tools: list | None = None) -> Encoded:
+        """Token ids of the rendered conversation and their loss mask; MaskError if unusable."""
+        rendering = self.render(messages, tools)
+        ids = self.tokenizer.encode(rendering.text, add_special_tokens=False, verbose=False)
+        return Encoded(ids, self._mask(rendering.text, ids, rendering.spans), rendering)
+
+    def render_with_spans(self, messages: Sequence[Message], tools: list | None = None
+                          ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans [start, end) that are supervised."""
+        rendering = self.render(messages, tools)
+        return rendering.text, rendering.spans
+
+    def render(self, messages: Sequence[Message], tools: list | None = None) -> Rendering:
+        values: list[str] = []
+        owners: list[tuple[int, str]] = []  # value index -> (message index, field)
+        real, marked = [], []
+        for j, m in enumerate(messages):
+            message = m.to_template()
+            fields = {k: message[k] for k in ("content", "reasoning_content") if k in message}
+            real.append(message)
+            marked.append({**message, **{k: SENTINEL.format(len(values) + n) for n, k in enumerate(fields)}})
+            values += fields.values()
+            owners += [(j, k) for k in fields]
+        text = self._render(real, tools=tools)
+        placed = _align(self._render(marked, tools=tools), text, values)
+        by_message: dict[int, list[int]] = {}
+        reasoning_placed = set()
+        for i, (key, _, _) in enumerate(placed):
+            j, name = owners[key]
+            by_message.setdefault(j, []).append(i)
+            if name == "reasoning_content":
+                reasoning_placed.add(j)
+        spans, reasoning, stripped, calls = [], 0, 0, 0
+        for j, m in enumerate(messages):
+            if m.role != "assistant" or j not in by_message:
+                continue
+            if m.reasoning is not None and j not in reasoning_placed:
+                stripped += 1  # an emptied think block: not what the model generated for this turn
+                continue
+            spans.append(self._span(text, placed, by_message[j]))
+            reasoning += m.reasoning is not None
+            calls += len(m.tool_calls)
+        return Rendering(text, spans, reasoning, stripped, calls, 0 if self.renders_tool_calls else calls)
+
+    # --- template analysis ------------------------------------------------------------------
+
+    def _render(self, messages: list[dict], generation_prompt: bool = False, tools: list | None = None,
+                **variables) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt,
+                                                      **{**self.switches, **variables})
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise MaskError(TEMPLATE_ERROR, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+
+    def _prompt(self, **variables) -> tuple[str, str]:
+        """(rendering of one user message, the generation prompt appended to it)."""
+        user = [{"role": "user", "content": SENTINEL.format(0)}]
+        without, with_prompt = self._render(user), self._render(user, generation_prompt=True, **variables)
+        if not with_prompt.startswith(without):
+            raise MaskError(TEMPLATE_MISMATCH, "the generation prompt is not appended to the conversation")
+        return without, with_prompt[len(without):]
+
+    def _assistant_header(self) -> str:
+        """The text that opens an assistant turn: the generation prompt, cut after the role
+        separator read off a user turn (`<|im_middle|>` for Kimi, `\\n` for ChatML)."""
+        without, prompt = self._prompt()
+        user_header = without[:without.index(SENTINEL.format(0))]
+        name = user_header.rfind("user")
+        separator = user_header[name + len("user"):] if name >= 0 else ""
+        cut = prompt.find(separator) if separator else -1
+        return prompt[:cut + len(separator)] if cut >= 0 else prompt
+
+    def _generation_prompts(self) -> tuple[str, ...]:
+        """The generation prompts (thinking and instant mode), longest first: what a turn's
+        text starts with up to there is prompt, not generated."""
+        prompts = {self._prompt()[1], self._prompt(**INSTANT_MODE)[1]}
+        return tuple(sorted((p for p in prompts if p.startswith(self.header)), key=len, reverse=True))
+
+    def _end_of_turn(self) -> str:
+        """The first special token the template puts after an assistant message's content."""
+        skeleton = self._render([{"role": "user", "content": SENTINEL.format(0)},
+                                 {"role": "assistant", "content": SENTINEL.format(1)}])
+        after = skeleton[skeleton.index(SENTINEL.format(1)) + len(SENTINEL.format(1)):]
+        found = self._cut_re.search(after)
+        if found is None:
+            raise MaskError(TEMPLATE_MISMATCH, "no special token ends an assistant turn")
+        return found.group()
+
+    def _renders_tool_calls(self) -> bool:
+        """Whether the template writes tool calls into the text (plain ChatML does not)."""
+        arguments = SENTINEL.format(0)
+        call = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": arguments}}
+        try:
+            text = self._render([{"role": "user", "content": "?"},
+                                 {"role": "assistant", "content": "", "tool_calls": [call]}])
+        except MaskError:
+            return False
+        return arguments in text
+
+    def _check_probe(self) -> None:
+        """Every supervised probe assistant turn must become one run of supervised tokens."""
+        encoded = self.encode(PROBE)
+        mask = encoded.loss_mask
+        runs = sum(1 for prev, cur in zip([0, *mask], mask) if cur and not prev)
+        turns = len(encoded.rendering.spans)
+        if runs != turns or turns == 0:
+            raise MaskError(TEMPLATE_MISMATCH, f"{turns} supervised assistant turns gave {runs} runs of supervised tokens")
+
+    def _span(self, text: str, placed: list[tuple[int, int, int]], mine: list[int]) -> tuple[int, int]:
+        first, last = placed[mine[0]], placed[mine[-1]]
+        literal_start = placed[mine[0] - 1][2] if mine[0] else 0
+        header = text.rfind(self.header, literal_start, first[1])
+        if header < 0:
+            raise MaskError(TEMPLATE_MISMATCH, f"assistant header {self.header!r} not found before a turn")
+        start = header + len(self.header)
+        prompt = next((p for p in self.prompts if text.startswith(p, header) and header + len(p) <= first[1]), None)
+        if prompt is not None:
+            start = header + len(prompt)
+        literal_end = placed[mine[-1] + 1][1] if mine[-1] + 1 < len(placed) else len(text)
+        end_of_turn = text.find(self.end_of_turn, last[2], literal_end)
+        return start, end_of_turn + len(self.end_of_turn) if end_of_turn >= 0 else last[2]
+
+    # --- tokens -----------------------------------------------------------------------------
+
+    def _mask(self, text: str, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
+        cuts = list(self._cut_re.finditer(text))
+        positions = [i for i, t in enumerate(ids) if t in self._cut_id_set]
+        if [ids[i] for i in positions] != [self.cut_ids[m.group()] for m in cuts]:
+            raise MaskError(TOKENIZER_MISMATCH, "the special tokens in the ids do not match those in the text")
+        mask = [0] * len(ids)
+        char, token = 0, 0
+        for cut, position in zip([*cuts, None], [*positions, len(ids)]):
+            run_end = cut.start() if cut else len(text)
+            self._mark_run(text, char, run_end, ids, token, position, spans, mask)
+            if cut:
+                mask[position] = int(_inside(cut.start(), spans))
+                char, token = cut.end(), position + 1
+        return mask
+
+    def _mark_run(self, text: str, start: int, end: int, ids: list[int], first: int, stop: int,
+                  spans: list[tuple[int, int]], mask: list[int]) -> None:
+        """Mark the ids[first:stop] that encode text[start:end] (no special token inside)."""
+        if start == end:
+            if stop > first:
+                raise MaskError(TOKENIZER_MISMATCH, "ids between adjacent special tokens")
+            return
+        chars, tokens = [start], [first]
+        for boundary in sorted({b for span in spans for b in span if start < b < end}):
+            left = self.tokenizer.encode(text[start:boundary], add_special_tokens=False, verbose=False)
+            k = _common_prefix(left, ids[first:stop])
+            if k < len(left) and not _inside(boundary, spans):
+                k += 1  # a token across the end of a span is supervised, like one across its start
+            chars.append(boundary)
+            tokens.append(min(max(first + k, tokens[-1]), stop))
+        tokens.append(stop)
+        for char, lo, hi in zip(chars, tokens, tokens[1:]):
+            if _inside(char, spans):
+                mask[lo:hi] = [1] * (hi - lo)
+
+
+def _inside(char: int, spans: list[tuple[int, int]]) -> bool:
+    return any(lo <= char < hi for lo, hi in spans)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _align(skeleton: str, text: str, values: list[str]) -> list[tuple[int, int, int]]:
+    """(value index, start, end) of each sentinel of `skeleton` in the real rendering `text`."""
+    parts = SENTINEL_RE.split(skeleton)
+    literals, keys = parts[0::2], [int(k) for k in parts[1::2]]
+    if not text.startswith(literals[0]):
+        raise MaskError(TEMPLATE_MISMATCH, "the template renders differently around the messages")
+    pos, placed = len(literals[0]), []
+    for key, literal in zip(keys, literals[1:]):
+        end = _value_end(text, pos, values[key], literal)
+        placed.append((key, pos, end))
+        pos = end + len(literal)
+    if pos != len(text):
+        raise MaskError(TEMPLATE_MISMATCH, "the template renders differently around the messages")
+    return placed
+
+
+def _value_end(text: str, pos: int, value: str, literal: str) -> int:
+    """Where the rendering of `value` that starts at `pos` ends (templates may trim it)."""
+    for candidate in (value, value.strip()):
+        end = pos + len(candidate)
+        if text.startswith(candidate, pos) and text.startswith(literal, end):
+            return end
+    end = text.find(literal, pos) if literal else -1
+    if end < 0:
+        raise MaskError(TEMPLATE_MISMATCH, "a message's text cannot be located in the rendering")
+    return end

@@ -1,0 +1,299 @@
+"""Step 01's work: conversations -> tokenized samples with loss masks, and their report.
+
+read (all inputs, validated, bad records counted) -> optional deterministic subset
+(`--max-samples`, `--seed`) -> render + tokenize + mask (`datasets.map`, `--num-proc`
+workers) -> truncate at `--max-len` -> the prepared folder of `common.data.prepared_dataset`, written
+atomically. Intermediate Arrow files live in a scratch folder next to the output, so memory
+stays flat for 500K conversations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import numpy as np
+from datasets import Dataset, Features, List, Value
+from datasets.exceptions import DatasetGenerationError
+from tqdm import tqdm
+
+from common.atomic import TMP_PREFIX, write_dir
+from common.data.conversations import (
+    Conversation,
+    Message,
+    Rejection,
+    ToolCall,
+    iter_records,
+    resolve_inputs,
+    to_conversation,
+)
+from common.data.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
+from common.data.prepared_dataset import COLUMNS, PrepareReport
+from common.errors import PipelineError
+from common.target.config import load_target_info
+
+__all__ = ["PrepareOptions", "DropLog", "load_tokenizer", "prepare", "summary_lines", "warning_lines"]
+
+NO_SUPERVISED_AFTER_TRUNCATION = "no_supervised_after_truncation"
+BATCH_SIZE = 256
+TOOL_CALL_FEATURES = {"id": Value("string"), "name": Value("string"), "arguments": Value("string"),
+                      "arguments_is_object": Value("bool")}
+CONVERSATION_FEATURES = Features({"sample_id": Value("string"), "tools": Value("string"), "messages": List({
+    "role": Value("string"), "content": Value("string"), "reasoning_content": Value("string"),
+    "name": Value("string"), "tool_call_id": Value("string"), "tool_calls": List(TOOL_CALL_FEATURES)})})
+# Per-sample counts of what the supervised turns hold, summed into the report.
+TURN_COUNTS = ("supervised_turns", "reasoning_turns", "stripped_turns", "tool_calls", "tool_calls_not_rendered")
+# The prepared columns, then per-sample bookkeeping that `_account` reads and drops.
+ENCODED_FEATURES = Features({
+    "sample_id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
+    "num_tokens": Value("int32"), "num_supervised": Value("int32"), "truncated": Value("bool"),
+    "drop_reason": Value("string"), "drop_detail": Value("string"), **{name: Value("int32") for name in TURN_COUNTS},
+})
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    inputs: list[Path]
+    target: Path
+    output: Path
+    max_len: int = 2048
+    max_samples: int | None = None
+    seed: int = 0
+    num_proc: int = 1
+    trust_remote_code: bool = False
+
+    def check(self) -> None:
+        """Reject bad flag values, naming the flag."""
+        for flag, value in (("--max-len", self.max_len), ("--num-proc", self.num_proc),
+                            ("--max-samples", self.max_samples)):
+            if value is not None and value < 1:
+                raise PipelineError(f"{flag} {value}: must be at least 1")
+
+
+@dataclass
+class DropLog:
+    """Skipped samples by reason, with the first one of each for the warning."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def add(self, reason: str, sample_id: str, detail: str) -> None:
+        self.counts[reason] += 1
+        self.examples.setdefault(reason, f"{sample_id}: {detail}")
+
+
+def load_tokenizer(target: Path, trust_remote_code: bool):
+    """The target's tokenizer, loaded once; errors name the folder."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise PipelineError(f"target {target}: its tokenizer is remote code; pass --trust-remote-code") from e
+        raise PipelineError(f"target {target}: cannot load its tokenizer: {e}") from e
+    except OSError as e:
+        raise PipelineError(f"target {target}: cannot load its tokenizer: {e}") from e
+
+
+def prepare(options: PrepareOptions) -> PrepareReport:
+    """Run the whole stage and write `options.output`; returns the report written there."""
+    options.check()
+    sources = resolve_inputs(options.inputs)  # fail on a missing file before loading anything
+    info = load_target_info(options.target, options.trust_remote_code)
+    tokenizer = load_tokenizer(options.target, options.trust_remote_code)
+    masker = ChatMasker(tokenizer)
+    report = PrepareReport(target=info.path, tokenizer=type(tokenizer).__name__, vocab_size=info.vocab_size,
+                           chat_template_sha256=template_sha256(tokenizer), max_len=options.max_len,
+                           inputs=[str(p) for p in options.inputs], max_samples=options.max_samples,
+                           seed=options.seed, rendering=masker.describe())
+    drops = DropLog()
+    options.output.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{options.output.name}.scratch.", dir=options.output.parent))
+    try:
+        conversations = _read(sources, scratch, report, drops)
+        conversations = _subset(conversations, options, report)
+        encoded = _encode(conversations, masker, options, scratch)
+        kept = _account(encoded, report, drops)
+        if report.samples_kept == 0:
+            raise PipelineError(_nothing_usable(report, drops))
+        write_dir(options.output, lambda tmp: _save(kept, report, tmp, options.num_proc))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return report
+
+
+# --- stages ---------------------------------------------------------------------------------
+
+def _generate(sources, report: PrepareReport, drops: DropLog):
+    for sample_id, record in tqdm(iter_records(sources), desc="read", unit=" conv", mininterval=1.0):
+        report.samples_read += 1
+        item = to_conversation(sample_id, record)
+        if isinstance(item, Rejection):
+            drops.add(item.reason, sample_id, item.detail)
+            continue
+        report.media_parts_dropped += item.media_parts
+        for reason in item.skipped_tool_calls:
+            report.tool_calls_skipped[reason] = report.tool_calls_skipped.get(reason, 0) + 1
+            report.tool_call_examples.setdefault(reason, sample_id)
+        yield _row(item)
+
+
+def _row(conversation: Conversation) -> dict:
+    return {"sample_id": conversation.sample_id,
+            "tools": json.dumps(conversation.tools, ensure_ascii=False) if conversation.tools else None,
+            "messages": [{"role": m.role, "content": m.content, "reasoning_content": m.reasoning, "name": m.name,
+                          "tool_call_id": m.tool_call_id,
+                          "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments,
+                                          "arguments_is_object": c.arguments_is_object} for c in m.tool_calls]}
+                         for m in conversation.messages]}
+
+
+def _messages(rows: list[dict]) -> list[Message]:
+    """The inverse of `_row` for the messages."""
+    return [Message(m["role"], m["content"], m["reasoning_content"], name=m["name"], tool_call_id=m["tool_call_id"],
+                    tool_calls=tuple(ToolCall(**c) for c in m["tool_calls"] or ())) for m in rows]
+
+
+def _read(sources, scratch: Path, report: PrepareReport, drops: DropLog) -> Dataset:
+    """Validated conversations as an Arrow-backed dataset in `scratch`."""
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # the reader shows its own bar
+    try:
+        return Dataset.from_generator(_generate, features=CONVERSATION_FEATURES, cache_dir=str(scratch / "read"),
+                                      gen_kwargs={"sources": sources, "report": report, "drops": drops})
+    except DatasetGenerationError as e:
+        if isinstance(e.__cause__, PipelineError):
+            raise e.__cause__ from None
+        raise
+    except ValueError as e:
+        if sum(drops.counts.values()) == report.samples_read:  # datasets refuses an empty split
+            raise PipelineError(_nothing_usable(report, drops)) from e
+        raise
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _subset(conversations: Dataset, options: PrepareOptions, report: PrepareReport) -> Dataset:
+    """A deterministic random subset of `--max-samples` conversations (kept in input order)."""
+    n = options.max_samples
+    if n is None or n >= len(conversations):
+        return conversations
+    chosen = np.sort(np.random.default_rng(options.seed).choice(len(conversations), size=n, replace=False))
+    report.not_selected = len(conversations) - n
+    return conversations.select(chosen)
+
+
+def _encode_batch(batch: dict, masker: ChatMasker, max_len: int) -> dict:
+    out = {name: [] for name in ENCODED_FEATURES}
+    for sample_id, messages, tools in zip(batch["sample_id"], batch["messages"], batch["tools"]):
+        ids, mask, truncated, reason, detail, counts = [], [], False, "", "", dict.fromkeys(TURN_COUNTS, 0)
+        try:
+            encoded = masker.encode(_messages(messages), json.loads(tools) if tools else None)
+            ids, mask, r = encoded.input_ids, encoded.loss_mask, encoded.rendering
+            counts = {"supervised_turns": len(r.spans), "reasoning_turns": r.reasoning_turns,
+                      "stripped_turns": r.stripped_turns, "tool_calls": r.tool_calls,
+                      "tool_calls_not_rendered": r.tool_calls_not_rendered}
+            if not any(mask):
+                raise MaskError(NO_SUPERVISED_TOKENS, "the template renders no assistant turn")
+            if len(ids) > max_len:
+                truncated, ids, mask = True, ids[:max_len], mask[:max_len]
+                if not any(mask):
+                    raise MaskError(NO_SUPERVISED_AFTER_TRUNCATION,
+                                    f"no assistant token in the first {max_len} tokens")
+        except MaskError as e:
+            ids, mask, reason, detail = [], [], e.reason, e.detail
+        row = {"sample_id": sample_id, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
+               "num_supervised": sum(mask), "truncated": truncated, "drop_reason": reason, "drop_detail": detail,
+               **counts}
+        for name, value in row.items():
+            out[name].append(value)
+    return out
+
+
+def _encode(conversations: Dataset, masker: ChatMasker, options: PrepareOptions, scratch: Path) -> Dataset:
+    # An explicit fingerprint spares datasets from hashing the tokenizer; no cache is reused.
+    fingerprint = hashlib.sha256(f"{len(conversations)}:{options}".encode()).hexdigest()[:16]
+    return conversations.map(
+        _encode_batch, batched=True, batch_size=BATCH_SIZE, num_proc=options.num_proc if options.num_proc > 1 else None,
+        fn_kwargs={"masker": masker, "max_len": options.max_len}, remove_columns=conversations.column_names,
+        features=ENCODED_FEATURES, new_fingerprint=fingerprint, cache_file_name=str(scratch / "encoded.arrow"),
+        desc="tokenize")
+
+
+def _account(encoded: Dataset, report: PrepareReport, drops: DropLog) -> Dataset:
+    """Fill the report's counts and token statistics; return the kept samples."""
+    stats = encoded.select_columns(["num_tokens", "num_supervised", "truncated", "drop_reason", *TURN_COUNTS]
+                                   ).with_format("numpy")[:]
+    reasons = stats["drop_reason"].astype(str)
+    dropped = np.flatnonzero(reasons != "")
+    if len(dropped):
+        details = encoded.select(dropped).select_columns(["sample_id", "drop_reason", "drop_detail"])
+        for sample_id, reason, detail in zip(details["sample_id"], details["drop_reason"], details["drop_detail"]):
+            drops.add(reason, sample_id, detail)
+    keep = np.flatnonzero(reasons == "")
+    tokens, supervised = stats["num_tokens"][keep].astype(np.int64), stats["num_supervised"][keep].astype(np.int64)
+    report.samples_kept = len(keep)
+    report.dropped = dict(sorted(drops.counts.items()))
+    report.drop_examples = {r: drops.examples[r] for r in report.dropped}
+    report.truncated = int(stats["truncated"][keep].sum())
+    for name in TURN_COUNTS:
+        setattr(report, name, int(stats[name][keep].sum()))
+    report.tool_calls_skipped = dict(sorted(report.tool_calls_skipped.items()))
+    if len(keep):
+        report.total_tokens, report.supervised_tokens = int(tokens.sum()), int(supervised.sum())
+        report.min_tokens, report.max_tokens = int(tokens.min()), int(tokens.max())
+        report.mean_tokens = round(float(tokens.mean()), 2)
+        report.supervised_share = round(report.supervised_tokens / report.total_tokens, 4)
+    return encoded.select(keep).select_columns(list(COLUMNS))
+
+
+def _save(kept: Dataset, report: PrepareReport, folder: Path, num_proc: int) -> None:
+    kept.save_to_disk(str(folder), num_proc=num_proc if num_proc > 1 else None)
+    report.save(folder)
+
+
+# --- messages -------------------------------------------------------------------------------
+
+def _nothing_usable(report: PrepareReport, drops: DropLog) -> str:
+    reasons = ", ".join(f"{reason} {count:,} (e.g. {drops.examples[reason]})"
+                        for reason, count in sorted(drops.counts.items())) or "the inputs hold no records"
+    return f"{', '.join(report.inputs)}: no usable conversation in {report.samples_read:,} read; dropped: {reasons}"
+
+
+def warning_lines(report: PrepareReport) -> list[str]:
+    """One line per drop reason (not per sample)."""
+    lines = [f"warning: skipped {count:,} sample(s): {reason}, e.g. {report.drop_examples[reason]}"
+             for reason, count in report.dropped.items()]
+    lines += [f"warning: skipped {count:,} malformed tool call(s): {reason}, e.g. in {report.tool_call_examples[reason]} "
+              "(the rest of the conversation is kept)" for reason, count in report.tool_calls_skipped.items()]
+    if report.stripped_turns:
+        lines.append(f"warning: {report.stripped_turns:,} assistant turn(s) not supervised: the chat template drops "
+                     "their reasoning (an emptied think block is not what the model generated)")
+    if report.tool_calls_not_rendered:
+        lines.append(f"warning: {report.tool_calls_not_rendered:,} tool call(s) of supervised turns are not in the "
+                     "text: the chat template does not render tool calls")
+    return lines
+
+
+def summary_lines(report: PrepareReport, output: Path) -> list[str]:
+    dropped = sum(report.dropped.values())
+    lines = [f"read {report.samples_read:,} conversations: kept {report.samples_kept:,}, dropped {dropped:,}"
+             + (f", left out by --max-samples {report.not_selected:,}" if report.not_selected else "")]
+    lines += [f"  dropped {count:,}: {reason}" for reason, count in report.dropped.items()]
+    lines += [f"truncated at {report.max_len:,} tokens: {report.truncated:,}",
+              f"tokens: {report.total_tokens:,} (min {report.min_tokens:,}, mean {report.mean_tokens:,.1f}, "
+              f"max {report.max_tokens:,}), supervised {report.supervised_tokens:,} "
+              f"({report.supervised_share:.1%})",
+              f"assistant turns supervised: {report.supervised_turns:,} ({report.reasoning_turns:,} with reasoning, "
+              f"{report.tool_calls:,} tool calls); not supervised, reasoning dropped by the template: "
+              f"{report.stripped_turns:,}; media parts dropped: {report.media_parts_dropped:,}",
+              f"wrote {output}"]
+    return lines

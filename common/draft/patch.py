@@ -1,0 +1,194 @@
+"""Adapting speculators 0.3.0 to Kimi-K2.5, to CPU training and to resuming: every
+monkey-patch the project applies to the library lives here, each small and explained.
+
+    from common.draft import patch
+    patch.apply(trust_remote_code=True, compile_forward=torch.cuda.is_available())
+
+`apply` is explicit (importing this module changes nothing) and idempotent; calling it again
+with other arguments replaces the earlier choice. What it installs:
+
+1. `Eagle3DraftModel._setup_embeddings_and_lm_heads` (called from the model's constructor)
+   reads `AutoConfig.from_pretrained(verifier).hidden_size` and the fixed keys
+   `model.embed_tokens.weight` / `lm_head.weight`. Kimi-K2.5 nests its text model: the config
+   is remote code with the fields under `text_config`, and the weights sit under
+   `language_model.`. The replacement reads the target through `common.target.config` (nested or
+   flat), reads only the two tensors it needs from the shards that hold them, and keeps the
+   library's checks (hidden size, t2d size, masked lm_head shape).
+2. speculators' attention `simple_flex_attention` calls FlexAttention, which has no backward
+   on CPU (torch 2.13). Under the same name we register a dispatcher: on CPU it evaluates the
+   block mask's `mask_mod` into a dense boolean mask and runs SDPA; elsewhere it calls the
+   library's FlexAttention unchanged.
+3. The single-process checkpointer loads a resumed model and optimizer onto the hard-coded
+   `"cuda:0"`. Ours loads onto the CPU; `load_state_dict` then copies every tensor onto the
+   device of the parameter it belongs to, so this is right on any device.
+4. `Eagle3DraftModel.forward` is wrapped in `torch.compile` unconditionally. On CPU the
+   compilation costs far more than it saves for a small draft (about 40 s per shape on two
+   cores), so `compile_forward=False` restores the plain function; on GPU it stays compiled.
+
+5. The Trainer averages each step's metrics over ranks with `dist.reduce(op=ReduceOp.AVG)`,
+   which only NCCL implements: on gloo (torchrun on CPUs) it raises. The Trainer's module gets a
+   view of `torch.distributed` whose `reduce` does AVG as SUM divided by the world size where
+   the backend lacks it; everything else is `torch.distributed` itself.
+
+The Trainer's device (it calls `model.to(local_rank)`, an int meaning CUDA) is handled where
+the Trainer is configured: see `trainer_device`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from speculators.config import VerifierConfig
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.eagle3.attention import ALL_ATTENTION_FUNCTIONS, flex_attention_forward
+from speculators.train import checkpointer as library_checkpointer
+from speculators.train import trainer as library_trainer
+from torch.nn.attention.flex_attention import BlockMask
+
+from common.target.config import TargetError, load_target_info, read_tensors, weight_map
+
+ATTENTION_NAME = "simple_flex_attention"  # the name speculators' draft layers are configured with
+EMBED_KEY = "model.embed_tokens.weight"
+LM_HEAD_KEY = "lm_head.weight"
+
+# The library's originals, kept so that tests can compare against the unpatched library.
+ORIGINAL_SETUP = Eagle3DraftModel._setup_embeddings_and_lm_heads
+ORIGINAL_FORWARD = Eagle3DraftModel.forward
+ORIGINAL_CHECKPOINTER = library_trainer.SingleGPUCheckpointer
+
+
+def apply(*, trust_remote_code: bool = False, compile_forward: bool = True) -> None:
+    """Install the fixes above. `trust_remote_code` is used to read the target's config
+    (Kimi-K2.5's is remote code); `compile_forward=False` runs the draft's forward eagerly."""
+    Eagle3DraftModel._setup_embeddings_and_lm_heads = _make_setup(trust_remote_code)
+    ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention_forward)
+    library_trainer.SingleGPUCheckpointer = DeviceAgnosticCheckpointer
+    Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
+    library_trainer.dist = AVERAGING_DIST
+
+
+def eager(function):
+    """The plain function under a `torch.compile` wrapper (the function itself if unwrapped)."""
+    return getattr(function, "_torchdynamo_orig_callable", function)
+
+
+def trainer_device(device: torch.device) -> torch.device:
+    """What to pass as `TrainerConfig.local_rank`. The Trainer uses it only as a device
+    (`model.to(local_rank)`, `tensor.to(local_rank)`) and to decide whether to draw its own
+    progress bars (`local_rank == 0`). An int always means a CUDA device, so we pass a
+    `torch.device` instead: it works on CPU, and `device == 0` is False, which turns off the
+    library's bars in favour of ours (see `common.train.trainer.MetricsLog`)."""
+    return torch.device(device)
+
+
+# --- 1. embeddings and lm_head of a nested or flat target ---
+
+def find_weight_keys(path: str | Path, prefix: str) -> tuple[str, str]:
+    """(embedding key, lm_head key) of the target; a tied lm_head falls back to the
+    embedding, as the library does. The error lists every key searched."""
+    names = weight_map(path)
+    embed_candidates = list(dict.fromkeys([prefix + EMBED_KEY, EMBED_KEY]))
+    head_candidates = list(dict.fromkeys([prefix + LM_HEAD_KEY, LM_HEAD_KEY]))
+    embed = next((k for k in embed_candidates if k in names), None)
+    if embed is None:
+        raise TargetError(f"target {path}: no embedding weights; searched {embed_candidates}")
+    head = next((k for k in head_candidates if k in names), embed)
+    return embed, head
+
+
+def _make_setup(trust_remote_code: bool):
+    def _setup_embeddings_and_lm_heads(self: Eagle3DraftModel, config: VerifierConfig, t2d: torch.Tensor) -> None:
+        """The library's method, reading the target through `common.target.config`."""
+        if config.name_or_path is None:
+            raise ValueError("VerifierConfig `name_or_path` value is required.")
+        info = load_target_info(config.name_or_path, trust_remote_code=trust_remote_code)
+        if info.hidden_size != self.hidden_size:
+            raise TargetError(f"target {info.path}: hidden size {info.hidden_size} does not match "
+                              f"the draft's hidden size {self.hidden_size}")
+        if t2d.shape[0] != info.vocab_size:
+            raise TargetError(f"target {info.path}: vocabulary of {info.vocab_size} ids, "
+                              f"but t2d has {t2d.shape[0]} entries")
+        embed_key, head_key = find_weight_keys(info.path, info.weight_prefix)
+        weights = read_tensors(info.path, [embed_key, head_key])
+
+        self.embed_tokens = torch.nn.Embedding(info.vocab_size, self.hidden_size, padding_idx=info.pad_token_id)
+        dtype = self.embed_tokens.weight.dtype
+        self.embed_tokens.load_state_dict({"weight": weights[embed_key].to(dtype)})
+        self.embed_tokens.weight.requires_grad = False
+
+        self.lm_head = torch.nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
+        self.verifier_lm_head = torch.nn.Linear(self.hidden_size, self.draft_vocab_size, bias=False)
+        masked = weights[head_key].to(device=t2d.device, dtype=dtype)[t2d.to(torch.bool), :]
+        if masked.shape != self.lm_head.weight.shape:
+            raise TargetError(f"target {info.path}: masked lm_head has shape {tuple(masked.shape)}, "
+                              f"the draft's lm_head {tuple(self.lm_head.weight.shape)}")
+        self.lm_head.weight.data = masked.detach().clone()
+        self.verifier_lm_head.weight.data = masked.detach().clone()
+        self.verifier_lm_head.weight.requires_grad = False
+
+    return _setup_embeddings_and_lm_heads
+
+
+# --- 2. attention with a backward on CPU ---
+
+def dense_mask(block_mask: BlockMask, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """The token-level boolean mask [q_len, kv_len] of a BlockMask, from its `mask_mod`.
+
+    speculators' mask functions are elementwise torch ops, so broadcasting a column of query
+    indices against a row of key indices evaluates all pairs at once. The key length is the
+    real one (it grows by `q_len` per TTT step), not the block-rounded `block_mask.shape`."""
+    q = torch.arange(q_len, device=device).unsqueeze(1)
+    kv = torch.arange(kv_len, device=device).unsqueeze(0)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return block_mask.mask_mod(zero, zero, q, kv).expand(q_len, kv_len)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: BlockMask, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """speculators' attention: FlexAttention where it has a backward, dense SDPA on CPU.
+    Shapes as in transformers: query [B, H, Q, D], output [B, Q, H, D]."""
+    if query.device.type != "cpu":
+        return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    mask = dense_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+# --- 3. resuming on any device ---
+
+class DeviceAgnosticCheckpointer(ORIGINAL_CHECKPOINTER):
+    """The library's single-process checkpointer, loading onto the CPU instead of "cuda:0"."""
+
+    def load_model_state_dict(self, model, float_dtype: torch.dtype | None = None) -> None:
+        state = library_checkpointer.load_safetensors_state_dict(self.model_path(self.previous_epoch), "cpu")
+        state = library_checkpointer.convert_float_dtype(state, float_dtype or model.dtype)
+        model.load_state_dict(state, strict=False)  # strict=False: the verifier's weights are not saved
+
+    def load_optimizer_state_dict(self, model, optimizer: torch.optim.Optimizer,
+                                  float_dtype: torch.dtype | None = None) -> None:
+        state = torch.load(self.optimizer_path(self.previous_epoch), weights_only=True, map_location="cpu")
+        optimizer.load_state_dict(library_checkpointer.convert_float_dtype(state, float_dtype or model.dtype))
+
+
+# --- 5. metric averaging on gloo ---
+
+class _AveragingDistributed:
+    """`torch.distributed` with a `reduce` that also averages on backends without ReduceOp.AVG."""
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    @staticmethod
+    def reduce(tensor: torch.Tensor, dst: int, op=dist.ReduceOp.SUM, **kwargs):
+        if op == dist.ReduceOp.AVG and dist.get_backend() != "nccl":
+            work = dist.reduce(tensor, dst, op=dist.ReduceOp.SUM, **kwargs)
+            tensor.div_(dist.get_world_size())  # only the destination's value is read
+            return work
+        return dist.reduce(tensor, dst, op=op, **kwargs)
+
+
+AVERAGING_DIST = _AveragingDistributed()

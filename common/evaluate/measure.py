@@ -1,0 +1,443 @@
+"""Evaluating drafts (step 05): measured acceptance length by real speculative decoding,
+offline metrics over held-out hidden-state files, and the side-by-side report.
+
+Held-out samples: 04 writes the prepared rows it validated on into the draft folder
+(`validation_split.json`); file `data_{i}.pt` is prepared row i. 05 takes prompts and offline
+metrics from exactly those rows. Without such a record (a draft trained elsewhere, or
+`--val-ratio 0`) every file of `--data` is evaluated and prompts come from the last rows of the
+prepared dataset; the summary says which rule was used. A prompt is a sample's tokens up to its
+first supervised token (loss_mask 1): the conversation up to where the assistant starts answering.
+
+Baselines on the same prompts and settings: no speculation (acceptance length 1), n-gram prompt
+lookup (vLLM's `ngram` method) and the draft at its initial weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from common.atomic import read_json, write_json
+from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
+from common.errors import PipelineError
+from common.evaluate.decoding import (
+    LOOP_RUN,
+    DraftProposer,
+    Generation,
+    NgramProposer,
+    SamplingParams,
+    SpeculativeStats,
+    distinct_ratio,
+    longest_run,
+    plain_generate,
+    speculative_generate,
+)
+from common.hidden_states.capture import capture_layers
+from common.hidden_states.files import sample_index
+from common.target.config import TargetInfo
+from common.target.model import decoder_parts
+from common.train.trainer import (
+    REPORT_FILE,
+    SPLIT_FILE,
+    HiddenStateData,
+    TrainSettings,
+    ValSummary,
+    epoch_tokens,
+    evaluate,
+    make_loader,
+)
+
+DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
+
+__all__ = [
+    "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "training_seq_len", "Prompt",
+    "select_prompts", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain", "measure_greedy",
+    "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "DraftReport", "summary_table",
+    "gap_notes", "write_report", "no_speculation",
+]
+
+
+def check_draft(folder: str | Path, info: TargetInfo) -> None:
+    """A draft folder in speculators format that fits the target (hidden size, vocabulary,
+    auxiliary layer ids), checked before anything is built; errors name the folder and the values."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise PipelineError(f"draft {folder}: no such folder (train one with 04_train.py)")
+    try:
+        model_type = read_json(folder / "config.json").get("speculators_model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise PipelineError(f"draft {folder}: no readable config.json ({type(e).__name__}: {e})") from e
+    if model_type != "eagle3":
+        raise PipelineError(f"draft {folder}: config.json is not a speculators EAGLE-3 draft "
+                            f"(speculators_model_type {model_type!r}, expected 'eagle3')")
+    config = read_saved_config(folder)
+    if not (folder / WEIGHTS_FILE).is_file():
+        raise PipelineError(f"draft {folder}: no {WEIGHTS_FILE}")
+    layer = config.transformer_layer_config
+    if layer.hidden_size != info.hidden_size:
+        raise PipelineError(f"draft {folder} has hidden size {layer.hidden_size}, but target {info.path} has "
+                            f"{info.hidden_size}: it was trained for another target")
+    t2d = saved_tensor(folder, "t2d")
+    vocab = t2d.numel() if t2d is not None else layer.vocab_size
+    if vocab != info.vocab_size or layer.vocab_size != info.vocab_size:
+        raise PipelineError(f"draft {folder} maps a target vocabulary of {vocab:,} ids, but target {info.path} has "
+                            f"{info.vocab_size:,}: it was trained for another target")
+    ids = list(config.eagle_aux_hidden_state_layer_ids or [])
+    n = info.num_layers
+    if len(ids) != 3 or not all(1 <= i <= n - 1 for i in ids):
+        raise PipelineError(f"draft {folder} reads auxiliary layers {ids}, but target {info.path} has {n} layers "
+                            f"(three ids in 1..{n - 1} expected): it was trained for another target")
+
+
+@dataclass
+class HeldOut:
+    """The samples no draft was trained on, as far as the draft folder tells."""
+
+    files: list[Path] | None  # hidden-state files to evaluate offline; None: no data folder
+    rows: list[int] | None  # prepared rows to take prompts from; None: the dataset's last rows
+    rule: str  # how they were chosen, for the summary
+
+
+def held_out(draft_dir: str | Path, data: HiddenStateData | None, max_samples: int | None = None) -> HeldOut:
+    """The prepared rows 04 held out, as it wrote them into the draft folder (`SPLIT_FILE`), and
+    their hidden-state files in `data`; without such a record (a draft trained elsewhere, or
+    `--val-ratio 0`) every file, and prompts from the last rows. `max_samples` keeps the files of
+    the highest rows."""
+    split_path = Path(draft_dir) / SPLIT_FILE
+    rows = _validation_rows(split_path, data)
+    if data is None:
+        if rows is None:
+            return HeldOut(None, None, "no hidden states: prompts from the last prepared rows")
+        return HeldOut(None, rows, f"04's validation rows ({len(rows):,}), from {split_path}")
+    files = data.files if rows is None else [f for f in data.files if sample_index(f) in set(rows)]
+    files = sorted(files, key=sample_index)[-max_samples:] if max_samples else files
+    if rows is None:
+        return HeldOut(files, None, f"{len(files):,} of the {len(data.files):,} files of {data.folder} (no training "
+                                    "split known; they may include training samples), prompts from the last rows")
+    return HeldOut(files, rows, f"04's validation rows ({len(rows):,}; offline metrics over {len(files):,} files), "
+                                f"from {split_path}")
+
+
+def _validation_rows(split_path: Path, data: HiddenStateData | None) -> list[int] | None:
+    """The validation rows 04 recorded, when it recorded some for these very hidden states."""
+    if not split_path.is_file():
+        return None
+    record = read_json(split_path)
+    rows = record.get("validation_rows") or []
+    same_data = data is None or Path(record.get("hidden_states", "")).resolve() == data.folder.resolve()
+    return sorted(int(r) for r in rows) if rows and same_data else None
+
+
+def check_data(data: HiddenStateData, info: TargetInfo, layer_ids: list[int], draft_dir: Path) -> None:
+    """Offline metrics mean something only on states of this target at the draft's layers."""
+    cfg = data.config
+    if cfg.hidden_size != info.hidden_size or cfg.vocab_size != info.vocab_size:
+        raise PipelineError(f"hidden states {data.folder} come from target {cfg.target} (hidden size "
+                            f"{cfg.hidden_size}, vocabulary {cfg.vocab_size:,}), not from {info.path}")
+    if list(cfg.layer_ids) != list(layer_ids):
+        flag = " ".join(map(str, layer_ids))
+        raise PipelineError(f"hidden states {data.folder} hold layers {cfg.layer_ids}, but draft {draft_dir} "
+                            f"reads layers {layer_ids}: extract them with 02 --layer-ids {flag}")
+
+
+def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[Path], k: int,
+                    total_seq_len: int, device: torch.device) -> dict:
+    """Validation loss, full and conditional accuracy per TTT step and the simulated
+    acceptance length over `files`, computed exactly as 04's validation pass does."""
+    settings = TrainSettings(ttt_steps=k, noise_std=0.0, total_seq_len=total_seq_len, num_workers=0)
+    loader = make_loader(data, files, settings, world_size=1, rank=0, train=False, pin_memory=False)
+    summary = ValSummary.from_metrics(evaluate(draft, loader, device, settings), epoch=0)
+    return {"val_loss": summary.loss, "loss_per_step": summary.loss_per_step, "full_acc": summary.full_acc,
+            "cond_acc": summary.cond_acc, "simulated_acceptance_length": summary.acceptance_length,
+            "samples": len(files), "tokens": epoch_tokens(data, files, total_seq_len)}
+
+
+def training_seq_len(draft_dir: str | Path) -> int:
+    """The packed sequence length the draft was validated with in 04, if its report says."""
+    report_path = Path(draft_dir).parent / REPORT_FILE
+    if report_path.is_file():
+        return int(read_json(report_path).get("settings", {}).get("total_seq_len", DEFAULT_EVAL_SEQ_LEN))
+    return DEFAULT_EVAL_SEQ_LEN
+
+
+@dataclass(frozen=True)
+class Prompt:
+    row: int  # row of the prepared dataset
+    sample_id: str
+    ids: list[int]
+
+
+def select_prompts(ds, max_prompts: int, rows: list[int] | None = None) -> tuple[list[Prompt], int]:
+    """Up to `max_prompts` prompts from `rows` (default: the dataset's last rows), in row order;
+    also the number of candidate rows skipped (no supervised token, or nothing before it)."""
+    candidates = list(range(len(ds))) if rows is None else sorted(rows)
+    prompts, skipped = [], 0
+    for row in reversed(candidates):
+        if len(prompts) == max_prompts:
+            break
+        sample = ds[row]
+        mask = sample["loss_mask"]
+        first = mask.index(1) if 1 in mask else 0
+        if first < 1:
+            skipped += 1
+            continue
+        prompts.append(Prompt(row, str(sample["sample_id"]), list(sample["input_ids"][:first])))
+    if not prompts:
+        raise PipelineError(f"none of the {len(candidates)} candidate prepared samples has a prompt "
+                            "(tokens before its first supervised token)")
+    return prompts[::-1], skipped
+
+
+@dataclass
+class MeasuredResult:
+    """Speculative decoding with one proposer over the prompts, against plain decoding of the target."""
+
+    k: int
+    stats: SpeculativeStats
+    generations: list[Generation]
+    mismatched: list[str] = field(default_factory=list)  # sample ids whose tokens differ from greedy
+    seconds: float = 0.0
+    greedy_seconds: float = 0.0  # plain decoding of the same prompts (greedy or sampled alike)
+    compared: bool = True  # greedy: each output checked against plain greedy decoding
+    plain_tokens: int = 0  # tokens of that plain decoding
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(g.tokens) for g in self.generations)
+
+    @property
+    def identical_to_greedy(self) -> bool | None:
+        """None when sampling: outputs are then equal in distribution, not token by token."""
+        return not self.mismatched if self.compared else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def speedup(self) -> float:
+        """Speculative over plain decoding, per-token time (sampled runs differ in tokens)."""
+        plain_tokens = self.plain_tokens or self.tokens
+        if not self.seconds or not self.greedy_seconds:
+            return float("nan")
+        return (self.greedy_seconds / plain_tokens) / (self.seconds / self.tokens)
+
+    @property
+    def degenerate_share(self) -> float:
+        return degenerate_share(self.generations)
+
+    @property
+    def distinct_ratio(self) -> float:
+        return mean_distinct_ratio(self.generations)
+
+
+def degenerate_share(generations: list[Generation]) -> float:
+    """Share of generations with a token repeated more than LOOP_RUN times in a row."""
+    return sum(longest_run(g.tokens) > LOOP_RUN for g in generations) / len(generations) if generations else 0.0
+
+
+def mean_distinct_ratio(generations: list[Generation]) -> float:
+    """Mean over generations of distinct tokens / tokens."""
+    return sum(distinct_ratio(g.tokens) for g in generations) / len(generations) if generations else float("nan")
+
+
+def _generator(seed: int, prompt: Prompt) -> torch.Generator:
+    """One random stream per prompt, the same for every proposer and for plain decoding."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + prompt.row)
+
+
+def measure_plain(target: torch.nn.Module, prompts: list[Prompt], max_new_tokens: int, stop_ids: set[int],
+                  sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                  show_progress: bool = True) -> list[Generation]:
+    """The reference: plain decoding of the target alone (greedy or sampled), per prompt."""
+    desc = "greedy" if sampling.greedy else "sampling"
+    return [plain_generate(target, p.ids, max_new_tokens, stop_ids, sampling, _generator(seed, p))
+            for p in tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress)]
+
+
+def measure_greedy(target: torch.nn.Module, prompts: list[Prompt], max_new_tokens: int, stop_ids: set[int],
+                   show_progress: bool = True) -> list[Generation]:
+    """Plain greedy decoding of the target alone, per prompt."""
+    return measure_plain(target, prompts, max_new_tokens, stop_ids, show_progress=show_progress)
+
+
+def measure_proposer(target: torch.nn.Module, proposer, layer_ids: list[int], prompts: list[Prompt],
+                     plain: list[Generation], k: int, max_new_tokens: int, stop_ids: set[int],
+                     sampling: SamplingParams = SamplingParams(), seed: int = 0, desc: str = "speculative",
+                     show_progress: bool = True) -> MeasuredResult:
+    """Speculative decoding of every prompt with `proposer` (a draft's `DraftProposer`, or
+    `NgramProposer` with no layers); greedy outputs are checked token by token against `plain`."""
+    _, layers = decoder_parts(target)
+    result = MeasuredResult(k=k, stats=SpeculativeStats(k), generations=[], compared=sampling.greedy,
+                            plain_tokens=sum(len(g.tokens) for g in plain))
+    with capture_layers(layers, layer_ids) as captured:
+        for prompt, reference in zip(tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress), plain):
+            generation = speculative_generate(target, captured, layer_ids, proposer, prompt.ids, k,
+                                              max_new_tokens, stop_ids, sampling, _generator(seed, prompt))
+            result.generations.append(generation)
+            result.stats.add(generation)
+            result.seconds += generation.seconds
+            result.greedy_seconds += reference.seconds
+            if sampling.greedy and generation.tokens != reference.tokens:
+                result.mismatched.append(prompt.sample_id)
+    return result
+
+
+def measure_draft(target: torch.nn.Module, draft: torch.nn.Module, prompts: list[Prompt], plain: list[Generation],
+                  k: int, max_new_tokens: int, stop_ids: set[int], sampling: SamplingParams = SamplingParams(),
+                  seed: int = 0, desc: str = "speculative", show_progress: bool = True) -> MeasuredResult:
+    """Speculative decoding of every prompt with an EAGLE-3 `draft`."""
+    return measure_proposer(target, DraftProposer(draft), list(draft.config.eagle_aux_hidden_state_layer_ids),
+                            prompts, plain, k, max_new_tokens, stop_ids, sampling, seed, desc, show_progress)
+
+
+def measure_ngram(target: torch.nn.Module, prompts: list[Prompt], plain: list[Generation], k: int,
+                  max_new_tokens: int, stop_ids: set[int], sampling: SamplingParams = SamplingParams(),
+                  seed: int = 0, show_progress: bool = True) -> MeasuredResult:
+    """The n-gram prompt-lookup baseline (vLLM's `ngram` method, n from 3 down to 1)."""
+    return measure_proposer(target, NgramProposer(), [], prompts, plain, k, max_new_tokens, stop_ids, sampling,
+                            seed, "n-gram", show_progress)
+
+
+def untrained_draft(draft: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """A fresh draft of the same config and vocabulary maps (the target's frozen embedding and
+    lm_head, everything else at its initial values): the floor a trained draft must clear."""
+    torch.manual_seed(seed)
+    fresh = build_draft(draft.config, draft.t2d.cpu(), draft.d2t.cpu())
+    return fresh.to(device=draft.fc.weight.device, dtype=draft.fc.weight.dtype).eval()
+
+
+@dataclass
+class DraftReport:
+    """Everything reported for one draft."""
+
+    name: str
+    path: str
+    measured: MeasuredResult | None = None
+    offline: dict | None = None  # val_loss, full_acc, cond_acc, simulated_acceptance_length, samples, tokens
+
+    def figures(self, prompts: list[Prompt], decode) -> dict:
+        """The JSON block of this draft (`decode(ids) -> str` renders the output texts)."""
+        out: dict = {"name": self.name, "path": self.path}
+        offline = self.offline or {}
+        out["simulated_acceptance_length"] = offline.get("simulated_acceptance_length")
+        if self.measured is not None:
+            m = self.measured
+            out.update({
+                "measured_acceptance_length": _finite(m.stats.acceptance_length),
+                "acceptance_rate_per_position": [_finite(r) for r in m.stats.acceptance_rate_per_position],
+                "identical_to_greedy": m.identical_to_greedy,
+                "mismatched_samples": m.mismatched,
+                "target_passes": m.stats.passes,
+                "tokens_generated": m.tokens,
+                "tokens_per_second": _finite(m.tokens_per_second),
+                "speedup_over_greedy": _finite(m.speedup),
+                "degenerate_share": _finite(m.degenerate_share),
+                "distinct_ratio": _finite(m.distinct_ratio),
+                "generations": [
+                    {"sample_id": p.sample_id, "row": p.row, "prompt_tokens": len(p.ids), "tokens": g.tokens,
+                     "accepted_per_pass": g.accepted, "text": decode(g.tokens)}
+                    for p, g in zip(prompts, m.generations)],
+            })
+        if self.offline is not None:
+            out["offline"] = self.offline
+        return out
+
+
+def no_speculation(plain: list[Generation], k: int, greedy: bool = True) -> MeasuredResult:
+    """Plain decoding as a column of the table: one token per target pass (acceptance length 1)."""
+    stats = SpeculativeStats(k)
+    for g in plain:  # the prefill pass emits the first token and is not counted, as for the drafts
+        stats.add(Generation(g.prompt_len, g.tokens, accepted=[0] * max(0, len(g.tokens) - 1)))
+    seconds = sum(g.seconds for g in plain)
+    return MeasuredResult(k=k, stats=stats, generations=plain, seconds=seconds, greedy_seconds=seconds,
+                          compared=greedy)
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else round(float(x), 6)
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+
+def summary_table(reports: list[DraftReport], k: int, plain: list[Generation] | None = None) -> str:
+    """One column per draft or baseline, one row per figure: the side-by-side comparison. The
+    speed row names the share of `plain` (the target's own) generations that loop: a looping
+    target makes any draft look fast."""
+    rows: list[tuple[str, list]] = []
+    measured = [r.measured for r in reports]
+    offline = [r.offline or {} for r in reports]
+    if any(m is not None for m in measured):
+        rows.append(("measured acceptance length", [m and _finite(m.stats.acceptance_length) for m in measured]))
+        for j in range(k):
+            rows.append((f"  acceptance rate, draft {j + 1}",
+                         [m and _finite(m.stats.acceptance_rate_per_position[j]) for m in measured]))
+        rows.append(("identical to greedy", [m and m.identical_to_greedy for m in measured]))
+        rows.append(("target passes", [m and m.stats.passes for m in measured]))
+        rows.append((f"generations looping (a token > {LOOP_RUN}x in a row)",
+                     [m and _finite(m.degenerate_share) for m in measured]))
+        rows.append(("distinct-token ratio", [m and _finite(m.distinct_ratio) for m in measured]))
+        rows.append(("tokens/s", [m and _finite(m.tokens_per_second) for m in measured]))
+        loops = f"{100 * degenerate_share(plain):#.3g}% of plain generations loop" if plain else "loops unknown"
+        rows.append((f"speedup over plain decoding ({loops})", [m and _finite(m.speedup) for m in measured]))
+    if any(offline):
+        rows.append(("simulated acceptance length", [o.get("simulated_acceptance_length") for o in offline]))
+        rows.append(("validation loss", [o.get("val_loss") for o in offline]))
+        for j in range(k):
+            rows.append((f"  full accuracy, step {j}", [_at(o.get("full_acc"), j) for o in offline]))
+            rows.append((f"  cond. accuracy, step {j}", [_at(o.get("cond_acc"), j) for o in offline]))
+    header = ["", *(r.name for r in reports)]
+    body = [[label, *(_fmt(v) for v in values)] for label, values in rows]
+    widths = [max(len(line[c]) for line in [header, *body]) for c in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(line, widths)))
+             for line in [header, *body]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+GAP = 0.1  # simulated minus measured acceptance length worth explaining
+
+
+def gap_notes(reports: list[DraftReport]) -> list[str]:
+    """A note for each draft whose measured acceptance length falls well short of its simulated
+    one: the simulated figure is taken on the dataset's answers, the measured one on the
+    target's own continuations, and they part when the two differ."""
+    notes = []
+    for r in reports:
+        simulated = (r.offline or {}).get("simulated_acceptance_length")
+        if r.measured is None or simulated is None:
+            continue
+        measured = r.measured.stats.acceptance_length
+        if simulated - measured > GAP:
+            notes.append(f"note: {r.name} measures {measured:.3f} but simulates {simulated:.3f}: the simulated figure "
+                         "scores the dataset's answers, the measured one the target's own greedy continuations; a "
+                         "large gap means the training answers are not what the target writes (regenerate them "
+                         "with the target, as EAGLE training data usually is)")
+    return notes
+
+
+def _at(values: list | None, j: int):
+    return values[j] if values is not None and j < len(values) else None
+
+
+def write_report(path: str | Path, reports: list[DraftReport], prompts: list[Prompt], decode, settings: dict,
+                 baselines: dict[str, DraftReport] | None = None, per_draft: dict[str, dict] | None = None) -> None:
+    """`--json`: the first draft's figures at the top level (the command-line contract), every
+    draft's under `drafts` (with its `per_draft` block, e.g. vLLM's figures), each baseline's
+    (`none`, `ngram`, `untrained`) under `baselines`, and the settings they were measured with."""
+    drafts = [r.figures(prompts, decode) | (per_draft or {}).get(r.name, {}) for r in reports]
+    top = {key: drafts[0].get(key) for key in ("measured_acceptance_length", "simulated_acceptance_length",
+                                                "acceptance_rate_per_position", "identical_to_greedy",
+                                                "degenerate_share", "distinct_ratio")}
+    extra = {name: r.figures(prompts, decode) for name, r in (baselines or {}).items()}
+    write_json(path, {**top, **settings, "drafts": drafts, "baselines": extra})
