@@ -581,5 +581,5 @@ def test_cli_errors_name_the_file(kimi_target, tmp_path, make, reason):
     proc = run_script("01_prepare_data.py", "--input", path, "--target", kimi_target, "--trust-remote-code",
                       "--output", tmp_path / "out", check=False)
     assert proc.returncode == 1
-    assert f"error: " in proc.stderr and str(path) in proc.stderr and reason in proc.stderr
+    assert "error: " in proc.stderr and str(path) in proc.stderr and reason in proc.stderr
     assert not (tmp_path / "out").exists()

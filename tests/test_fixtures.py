@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from common import defaults
 from common.defaults import DATA_DIR, demo_inputs, fixture_key
-from common.evaluate.decoding import distinct_ratio, longest_run, stop_token_ids
+from common.evaluate.decoding import distinct_ratio, longest_run
 from common.fixtures.miniature_lm import LMSettings, _param_groups, greedy_continuations
 from common.fixtures.targets import (
     DEMO_CONVERSATIONS,
@@ -110,7 +109,7 @@ def test_targets_write_text_not_loops(kind, request):
     for record in records:  # each conversation up to its last assistant turn
         last = max(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
         prompts.append(tok.apply_chat_template(record["messages"][:last], add_generation_prompt=True, tokenize=True))
-    generations = greedy_continuations(model, prompts, 48, stop_token_ids(info.path, info.text_config))
+    generations = greedy_continuations(model, prompts, 48, info.stop_ids)
     looping = sum(longest_run(g) > 4 for g in generations) / len(generations)
     distinct = sum(distinct_ratio(g) for g in generations) / len(generations)
     assert looping <= 0.1 and distinct >= 0.5, (looping, distinct, [tok.decode(g) for g in generations[:3]])
@@ -210,20 +209,20 @@ def test_target_info_and_text_model(kind, request):
 
 def test_target_errors_name_the_folder(tmp_path, kimi_target):
     with pytest.raises(TargetError, match=str(tmp_path / "nope")):
-        load_target_info(tmp_path / "nope")
+        load_target_info(tmp_path / "nope", trust_remote_code=True)
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text((kimi_target / "config.json").read_text())
     for name in ("configuration_kimi_k25.py",):
         (no_weights / name).write_text((kimi_target / name).read_text())
-    info = load_target_info(no_weights)
+    info = load_target_info(no_weights, trust_remote_code=True)
     with pytest.raises(TargetError, match="no weights"):
         load_text_model(info)
     not_lm = tmp_path / "not_lm"
     not_lm.mkdir()
     (not_lm / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 8}))
     with pytest.raises(TargetError, match="not a causal language model"):
-        load_target_info(not_lm)
+        load_target_info(not_lm, trust_remote_code=True)
     with pytest.raises(TargetError, match="trust-remote-code"):
         load_target_info(kimi_target, trust_remote_code=False)
 

@@ -31,7 +31,7 @@ def vocab_maps(vocab_size: int, draft_vocab: int = DRAFT_VOCAB) -> tuple[torch.T
 
 
 def make_draft(target, shape: DraftShape = SHAPE, t2d_size: int | None = None) -> Eagle3DraftModel:
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     t2d, d2t = vocab_maps(t2d_size or info.vocab_size)
     config = speculator_config(shape, info, DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
     torch.manual_seed(0)
