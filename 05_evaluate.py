@@ -41,22 +41,30 @@ from common.errors import PipelineError
 from common.evaluate.decoding import SamplingParams
 from common.evaluate.measure import (
     BASELINES,
-    check_data,
+    HeldOut,
     check_draft,
+    fitting_offline_metrics,
     held_out,
     measure_each_k,
     measure_plain,
     measure_plain_turns,
     no_speculation,
-    offline_metrics,
     training_seq_len,
 )
 from common.evaluate.prompt_sets import PROMPT_FORMATS, PUBLISHED_SETS, read_prompt_sets
-from common.evaluate.prompts import ChatPrompter, decoding_mode, longest_conversation, select_prompts
+from common.evaluate.prompts import (
+    HELD_OUT,
+    ChatPrompter,
+    Prompt,
+    decoding_mode,
+    describe_prompts,
+    longest_conversation,
+    select_prompts,
+)
 from common.evaluate.report import DraftReport, output_lines, summary_table, write_report
 from common.evaluate.served import measure_with_vllm, served_lines
 from common.runtime import Runtime, add_runtime_args
-from common.target.config import load_target_info
+from common.target.config import TargetInfo, load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer
 from common.train.trainer import load_hidden_states
@@ -130,7 +138,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise PipelineError(f"--temperature {args.temperature}: must be in [0, 100] (0 is greedy)")
     if not 0.0 < args.top_p <= 1.0:
         raise PipelineError(f"--top-p {args.top_p}: must be in (0, 1]")
-    if args.top_p < 1.0 and not (args.temperature or args.thinking):
+    greedy = args.temperature == 0.0 or (args.temperature is None and args.thinking is None)
+    if args.top_p < 1.0 and greedy:
         raise PipelineError(f"--top-p {args.top_p} needs --temperature > 0 (greedy ignores it)")
 
 
@@ -172,9 +181,9 @@ def evaluate(args: argparse.Namespace) -> int:
     drafts = {name: load_draft(folder, target=info.path, trust_remote_code=trust_remote_code, device=device)
               for name, folder in draft_dirs.items()}
     seq_len = training_seq_len(draft_dirs["draft"])
-    reports = [DraftReport(name, str(folder), offline=offline_of(name, drafts[name], folder, info, data, split,
-                                                                 max(ks), seq_len, device))
-               for name, folder in draft_dirs.items()]
+    reports = [DraftReport(name, str(folder), offline=fitting_offline_metrics(
+        name, drafts[name], folder, info, data, split.files, max(ks), seq_len, device))
+        for name, folder in draft_dirs.items()]
 
     # 4. measured: plain decoding once (turn by turn on prompt sets), then speculative decoding with
     #    each draft and baseline at each k
@@ -182,12 +191,14 @@ def evaluate(args: argparse.Namespace) -> int:
     plain, model = None, None
     if not args.offline_only:
         prompter = ChatPrompter(tokenizer, thinking)
-        longest = max((len(p.ids) for p in prompts), default=0) if sets is None else longest_conversation(sets, prompter)
+        longest = longest_conversation(sets, prompter) if sets else max(len(p.ids) for p in prompts)
         turns = 1 if sets is None else max(len(i.turns) for items in sets.values() for i in items)
         model = load_text_model(info, dtype, runtime.device, runtime.device_map, runtime.max_memory,
                                 longest + turns * (args.max_new_tokens + max(ks) + 1), logits=True)
         stop_ids = set(info.stop_ids)
-        describe_decoding(args, sets, prompts, skipped, sampling, thinking, stop_ids)
+        mode = "greedy" if sampling.greedy else f"sampling at temperature {temperature}, top-p {args.top_p}"
+        print(f"decoding {describe_prompts(sets, prompts, skipped, thinking)}, up to {args.max_new_tokens} new "
+              f"tokens each, {mode}, stop ids {sorted(stop_ids)}")
         if sets is None:
             plain = measure_plain(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed)
         else:
@@ -207,9 +218,9 @@ def evaluate(args: argparse.Namespace) -> int:
     for line in output_lines(reports, prompts, tokenizer.decode):
         print(line)
     settings = {"target": info.path, "num_speculative_tokens": ks[0], "num_speculative_tokens_measured": ks,
-                "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "prompt_sets": list(sets or {}),
+                "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "prompt_sets": list(sets or [HELD_OUT]),
                 "held_out": split.rule, "dtype": str(dtype).removeprefix("torch."), "engine": args.engine,
-                "thinking": None if thinking is None else args.thinking or "on", "temperature": temperature,
+                "thinking": args.thinking, "temperature": temperature,
                 "top_p": args.top_p, "seed": args.seed}
     if args.json is not None:
         write_report(args.json, reports, prompts, tokenizer.decode, settings, baselines, ks=ks)
@@ -234,37 +245,12 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def held_out_prompts(args: argparse.Namespace, info, split) -> tuple[list, int]:
+def held_out_prompts(args: argparse.Namespace, info: TargetInfo, split: HeldOut) -> tuple[list[Prompt], int]:
     """The prompts of 04's held-out prepared rows (and how many rows had none)."""
     prepared_dir = stage_dir(args, "prepared", args.prepared)
     ds, prepared = load_prepared(prepared_dir)
     check_prepared_target(prepared, prepared_dir, info.path, info.vocab_size)
     return select_prompts(ds, args.max_prompts, split.rows)
-
-
-def offline_of(name: str, draft, folder: Path, info, data, split, steps: int, seq_len: int, device) -> dict | None:
-    """A draft's offline metrics, when there are hidden states and they fit it."""
-    if data is None:
-        return None
-    try:
-        check_data(data, info, list(draft.config.eagle_aux_hidden_state_layer_ids), folder)
-    except PipelineError as e:  # the data is wrong for our draft; a reference may just differ
-        if name == "draft":
-            raise
-        print(f"offline metrics of {name} skipped: {e}")
-        return None
-    return offline_metrics(draft, data, split.files, steps, seq_len, device)
-
-
-def describe_decoding(args, sets, prompts, skipped, sampling, thinking, stop_ids) -> None:
-    mode = "greedy" if sampling.greedy else f"sampling at temperature {sampling.temperature}, top-p {sampling.top_p}"
-    if sets is None:
-        source = f"{len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a prompt skipped)"
-    else:
-        source = ", ".join(f"{name} ({len(items)} items, {sum(len(i.turns) for i in items)} turns)"
-                           for name, items in sets.items())
-        source += f", thinking {'template default' if thinking is None else ('on' if thinking else 'off')}"
-    print(f"decoding {source}, up to {args.max_new_tokens} new tokens each, {mode}, stop ids {sorted(stop_ids)}")
 
 
 if __name__ == "__main__":

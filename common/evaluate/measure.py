@@ -57,8 +57,8 @@ from common.train.trainer import (
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
 __all__ = [
-    "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "training_seq_len", "MeasuredResult",
-    "degenerate_share", "mean_distinct_ratio", "measure_plain", "measure_plain_turns", "measure_proposer",
+    "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "fitting_offline_metrics",
+    "training_seq_len", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain", "measure_plain_turns", "measure_proposer",
     "measure_draft", "measure_ngram", "untrained_draft", "no_speculation", "BASELINES", "measure_each_k",
 ]
 
@@ -158,6 +158,24 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
             "samples": len(files), "tokens": epoch_tokens(data, files, total_seq_len)}
 
 
+def fitting_offline_metrics(name: str, draft: torch.nn.Module, folder: Path, info: TargetInfo,
+                            data: HiddenStateData | None, files: list[Path] | None, k: int, total_seq_len: int,
+                            device: torch.device) -> dict | None:
+    """`offline_metrics` of draft `name` when there are hidden states and they fit it; None
+    otherwise. States that do not fit the draft under evaluation (`draft`) are an error, for a
+    reference they only skip its offline metrics (it may read other layers)."""
+    if data is None:
+        return None
+    try:
+        check_data(data, info, list(draft.config.eagle_aux_hidden_state_layer_ids), folder)
+    except PipelineError as e:
+        if name == "draft":
+            raise
+        print(f"offline metrics of {name} skipped: {e}")
+        return None
+    return offline_metrics(draft, data, files, k, total_seq_len, device)
+
+
 def training_seq_len(draft_dir: str | Path) -> int:
     """The packed sequence length the draft was validated with in 04, if its report says."""
     report_path = Path(draft_dir).parent / REPORT_FILE
@@ -241,7 +259,8 @@ def measure_plain_turns(target: torch.nn.Module, sets: dict[str, list[PromptItem
     plain: dict[int, Generation] = {}
 
     def answer(prompts: list[Prompt]) -> list[list[int]]:
-        for prompt, generation in zip(prompts, measure_plain(target, prompts, max_new_tokens, stop_ids, sampling, seed)):
+        generations = measure_plain(target, prompts, max_new_tokens, stop_ids, sampling, seed)
+        for prompt, generation in zip(prompts, generations):
             plain[prompt.row] = generation
         return [plain[p.row].tokens for p in prompts]
 

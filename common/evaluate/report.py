@@ -79,8 +79,10 @@ class DraftReport:
         length over them (validation loss stays the sum over all the steps it was computed at)."""
         if self.offline is None:
             return None
-        steps = {key: self.offline[key][:k] for key in ("loss_per_step", "full_acc", "cond_acc")}
-        return {**self.offline, **steps, "simulated_acceptance_length": simulated_acceptance_length(steps["cond_acc"])}
+        steps = {key: self.offline[key][:k] for key in ("loss_per_step", "full_acc", "cond_acc") if key in self.offline}
+        if "cond_acc" in steps:
+            steps["simulated_acceptance_length"] = simulated_acceptance_length(steps["cond_acc"])
+        return {**self.offline, **steps}
 
     def figures(self, prompts: list[Prompt], decode: Callable[[list[int]], str], k: int | None = None) -> dict:
         """The JSON block of this draft at k (default: the first); `decode(ids) -> str` renders the outputs."""
