@@ -58,8 +58,9 @@ DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training
 
 __all__ = [
     "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "fitting_offline_metrics",
-    "training_seq_len", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain", "measure_plain_turns", "measure_proposer",
-    "measure_draft", "measure_ngram", "untrained_draft", "no_speculation", "BASELINES", "measure_each_k",
+    "training_seq_len", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain",
+    "measure_plain_turns", "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "no_speculation",
+    "BASELINES", "measure_each_k",
 ]
 
 
