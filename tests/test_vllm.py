@@ -99,7 +99,7 @@ def test_served_acceptance_equals_05s_own(flat_run, flat_target, tmp_path):
     proc = run_script("05_evaluate.py", "--run-dir", flat_run, "--target", flat_target, "--reference",
                       flat_run / "weak" / "draft", "--engine", "vllm", "--dtype", "fp32", "--prompts", questions,
                       "--max-new-tokens", "32", "--num-speculative-tokens", str(K), "--no-baselines",
-                      "--json", report, env=ENV)
+                      "--json", report, env=ENV, timeout=1800)  # three engine starts: ~10 min on shared cores
     assert "draft (vLLM)" in proc.stdout and "reference (vLLM)" in proc.stdout
     data = json.loads(report.read_text())
     assert data["engine"] == "vllm" and data["dtype"] == "float32" and data["prompts"] == 2 * len(MT_BENCH)
