@@ -22,6 +22,7 @@ IMAGE_RECORD = {"messages": [
                                  {"type": "text", "text": "this picture?"}]},
     {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
 
+
 # --- the stage: counting, truncation, subsets, output -----------------------------------------
 
 def _conv(user: str, assistant: str) -> dict:
@@ -112,7 +113,8 @@ def test_prepared_folder_matches_the_masker(demo_conversations, kimi_target, mas
     ds, loaded = load_prepared(tmp_path / "prepared")
     assert loaded == report and list(ds.column_names) == list(COLUMNS)
     assert len(ds) == report.samples_kept == 40 and report.not_selected == report.samples_read - 40
-    by_id = {sid: to_conversation(sid, record) for sid, record in iter_records(resolve_inputs([demo_conversations]))}
+    conversations = [to_conversation(sid, record) for sid, record in iter_records(resolve_inputs([demo_conversations]))]
+    by_id = {c.sample_id: c for c in conversations}
     for row in ds.select(range(5)):
         encoded = maskers["kimi"].encode(by_id[row["sample_id"]].messages)
         assert (row["input_ids"], row["loss_mask"]) == (encoded.input_ids, encoded.loss_mask)

@@ -76,7 +76,7 @@ class FastEncoder:
     def _agrees(self, path: str, texts) -> bool:
         try:
             return all(self._encode(path, t) == self.reference(t) for t in texts)
-        except (TypeError, ValueError, AttributeError):  # a shortcut that does not take a plain text
+        except Exception:  # noqa: BLE001 - a shortcut that fails on plain text (or returns no list) is not used
             return False
 
     def _diverging_markers(self) -> set[str]:

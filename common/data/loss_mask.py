@@ -25,8 +25,8 @@ is specific to one model; everything is read off the template's own output:
    locates every string in the real text (templates may trim it). Rendering prefixes
    `messages[:i]` would not work: Kimi renders an assistant turn differently (with or without
    its reasoning) depending on whether a user message follows it. The sentinel rendering holds
-   no content, so it is kept per conversation shape (roles, names, tool calls, tools) and a
-   dataset's plain chats render about once each.
+   no content, so for conversations without tool calls it is kept per shape (roles, names,
+   tools): a dataset's plain chats are then rendered about once each.
 2. The supervised span of an assistant turn starts after the last assistant header in the
    literal text before its first string, extended over the longest generation prompt (thinking
    or instant mode, read off the template) the text there starts with, and ends after the first
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -148,11 +147,11 @@ class ChatMasker:
         self._prefix_ids: dict[str, list[int]] = {}
         self._skeletons: dict[str, str] = {}
         try:
-            self.encoder = FastEncoder(tokenizer, probes=(self._render([m.to_template() for m in PROBE]),))
             self.header = self._assistant_header()
             self.prompts = self._generation_prompts()
             self.end_of_turn = self._end_of_turn()
             self.renders_tool_calls = self._renders_tool_calls()
+            self.encoder = FastEncoder(tokenizer, probes=(self._render([m.to_template() for m in PROBE]),))
             self._check_probe()
         except MaskError as e:
             raise PipelineError(f"tokenizer {tokenizer.name_or_path}: cannot build loss masks ({e})") from e
@@ -222,19 +221,22 @@ class ChatMasker:
     def _place(self, marked: list[dict], tools: list | None, text: str, values: list[str]) -> list[tuple[int, int, int]]:
         """`_align` of the sentinel rendering. That rendering depends on the conversation's shape
         only (roles, names, tool calls, tools: no content), and the plain chats of a dataset share
-        a few dozen shapes, so it is kept per shape; rendering is what 01 spends most on. A kept one
-        that no longer fits (a template that reads the clock) is rendered again."""
-        key = json.dumps([marked, tools], ensure_ascii=False, sort_keys=True, default=str)
-        kept = self._skeletons.get(key)
+        a few dozen shapes, so theirs is kept per shape (rendering is most of 01's time); a
+        tool call's arguments make nearly every tool-calling conversation's shape its own, so
+        those are not kept. A kept one that no longer fits (a template that reads the clock) is
+        rendered again."""
+        key = None if any("tool_calls" in m for m in marked) else repr((marked, tools))
+        kept = self._skeletons.get(key) if key else None
         if kept is not None:
             try:
                 return _align(kept, text, values)
             except MaskError:
                 pass
         skeleton = self._render(marked, tools=tools)
-        if len(self._skeletons) >= SKELETON_CACHE_SIZE:
-            self._skeletons.clear()
-        self._skeletons[key] = skeleton
+        if key:
+            if len(self._skeletons) >= SKELETON_CACHE_SIZE:
+                self._skeletons.clear()
+            self._skeletons[key] = skeleton
         return _align(skeleton, text, values)
 
     # --- template analysis ------------------------------------------------------------------
