@@ -301,7 +301,7 @@ def test_every_config_file_loads(path, kimi_target):
     config_file = read_config_file(path)
     settings, overrides = TrainSettings.resolve(config_file, {"lr": 0.5, "epochs": None})
     assert settings.lr == 0.5 and len(overrides) == 1 and "--lr 0.5 overrides" in overrides[0]
-    info = load_target_info(kimi_target)
+    info = load_target_info(kimi_target, trust_remote_code=True)
     info = replace(info, hidden_size=config_file.model.hidden_size)  # the shape of the target it is for
     config = speculator_config(config_file.model, info, config_file.model.draft_vocab_size or 32000, [2, 30, 58], 3)
     layer = config.transformer_layer_config
@@ -357,7 +357,7 @@ def test_bad_preset_is_refused(tmp_path):
 def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
                         length: int = 48, seed: int = 0, storage: str = "bf16") -> Path:
     """A hidden-state folder as step 02 writes it, with random states (for checks and plumbing)."""
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     hidden = hidden or info.hidden_size
     g = torch.Generator().manual_seed(seed)
     lengths = {}
@@ -387,7 +387,7 @@ def write_vocab_folder(folder: Path, vocab_size: int, draft_vocab: int = 200) ->
 
 
 def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
-    info = load_target_info(flat_target)
+    info = load_target_info(flat_target, trust_remote_code=True)
     write_hidden_states(tmp_path / "hs", flat_target, num_samples=12)
     write_vocab_folder(tmp_path / "vocab", info.vocab_size)
     train_in_process("--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
@@ -403,7 +403,7 @@ def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
 
 def test_trains_on_fp8_data_through_the_library_loader(tmp_path, kimi_target, capsys):
     """04 on an fp8 folder: the library's dataset hands the Trainer the dequantized states."""
-    info = load_target_info(kimi_target)
+    info = load_target_info(kimi_target, trust_remote_code=True)
     data_dir = write_hidden_states(tmp_path / "hs", kimi_target, num_samples=12, storage="fp8")
     data = load_hidden_states(data_dir)
     settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {"total_seq_len": 128, "noise_std": 0.0})
@@ -463,7 +463,7 @@ def small_data(tmp_path_factory, flat_target) -> Path:
     """Hidden states and vocabulary of the flat target: 64 training samples, 32 steps per epoch."""
     folder = tmp_path_factory.mktemp("small04")
     write_hidden_states(folder / "hs", flat_target, num_samples=80)
-    write_vocab_folder(folder / "vocab", load_target_info(flat_target).vocab_size)
+    write_vocab_folder(folder / "vocab", load_target_info(flat_target, trust_remote_code=True).vocab_size)
     return folder
 
 
@@ -569,7 +569,7 @@ def test_rng_state_round_trip(tmp_path):
 
 def test_hidden_states_and_vocabulary_of_different_prepared_runs_are_refused(tmp_path, flat_target):
     write_hidden_states(tmp_path / "hs", flat_target, num_samples=4)
-    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target).vocab_size)
+    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target, trust_remote_code=True).vocab_size)
     for path, fingerprint in ((tmp_path / "hs" / "data_config.json", "1" * 16),
                               (tmp_path / "vocab" / "vocab_report.json", "2" * 16)):
         path.write_text(json.dumps({**json.loads(path.read_text()), "prepared_fingerprint": fingerprint}))
