@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from common.data.conversations import iter_records, resolve_inputs, to_conversation  # noqa: E402
 from common.data.loss_mask import ChatMasker  # noqa: E402
-from common.data.prepare import PrepareOptions, load_tokenizer, prepare  # noqa: E402
+from common.data.prepare import PrepareOptions, prepare  # noqa: E402
 from common.defaults import demo_inputs  # noqa: E402
 from common.fixtures.targets import ensure_targets  # noqa: E402
+from common.target.tokenizer import load_tokenizer  # noqa: E402
 
 
 GOAL = 0.3

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from datasets import Dataset, DatasetDict
 
 from common.data.conversations import (
     Conversation,
@@ -39,8 +40,6 @@ def _triples(conversation: Conversation) -> tuple:
 
 
 def _write_all_formats(folder: Path) -> dict[str, Path]:
-    from datasets import Dataset
-
     folder.mkdir()
     paths = {"jsonl": folder / "c.jsonl", "json": folder / "c.json", "json_data": folder / "d.json",
              "parquet": folder / "c.parquet", "hf_dataset": folder / "saved"}
@@ -73,8 +72,6 @@ def test_folder_reads_every_file_and_saved_dataset(formats):
 
 
 def test_saved_dataset_dict_reads_its_splits_in_order(tmp_path):
-    from datasets import Dataset, DatasetDict
-
     DatasetDict({"train": Dataset.from_list(OPENAI[1:]), "test": Dataset.from_list(OPENAI[:1])}).save_to_disk(
         str(tmp_path / "dd"))
     conversations = _read(tmp_path / "dd")
