@@ -23,7 +23,7 @@ from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_
 from common.data.prepared_dataset import COLUMNS, PrepareReport, load_prepared
 from common.errors import PipelineError
 from common.fixtures.targets import FLAT_CHAT_TEMPLATE
-from tests.conftest import run_script
+from conftest import run_script
 
 # --- loss masks ------------------------------------------------------------------------------
 
