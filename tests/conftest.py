@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
+from common.data.loss_mask import ChatMasker
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_targets
 
@@ -47,6 +49,19 @@ def vllm_python() -> Path:
     if os.environ.get("REQUIRE_VLLM") == "1":
         pytest.fail(f"REQUIRE_VLLM=1 but {DEFAULT_VLLM_PYTHON} is missing (bash scripts/setup_vllm_env.sh)")
     pytest.skip(f"no vLLM environment at {DEFAULT_VLLM_PYTHON} (bash scripts/setup_vllm_env.sh)")
+
+
+@pytest.fixture(scope="session")
+def tokenizers(kimi_target, flat_target) -> dict:
+    """Each miniature target's tokenizer, loaded once (step 01's masks and ids are built from them)."""
+    return {"kimi": AutoTokenizer.from_pretrained(kimi_target, trust_remote_code=True),
+            "flat": AutoTokenizer.from_pretrained(flat_target)}
+
+
+@pytest.fixture(scope="session")
+def maskers(tokenizers) -> dict:
+    """A `ChatMasker` per miniature target (its template analysis and encode-path probes run once)."""
+    return {kind: ChatMasker(tok) for kind, tok in tokenizers.items()}
 
 
 @pytest.fixture(scope="session")
