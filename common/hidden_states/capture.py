@@ -30,7 +30,7 @@ from common.errors import PipelineError
 from common.hidden_states.files import NUM_STATES, Journal, ids_digest, save_sample
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
 from common.target.config import TargetInfo
-from common.target.model import load_text_model
+from common.target.model import decoder_parts, load_text_model
 
 WRITE_THREADS = 4  # file writes overlap the next forward pass
 MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten samples
