@@ -56,7 +56,7 @@ from common.evaluate.measure import (
 from common.target.config import DTYPES, load_target_info
 from common.target.device_plan import check_placement_flags
 from common.target.model import load_text_model
-from common.train.trainer import load_hidden_states
+from common.train.data import load_hidden_states
 from common.vllm.client import EngineSettings, add_engine_args, check_vllm_python, engine_table, measure_with_vllm
 
 
