@@ -358,18 +358,22 @@ def assert_same_training(data: Path, whole: str, resumed: str, last_epoch: int) 
 
 
 @pytest.mark.slow
-def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target):
-    """Bitwise on CPU: same batches, fp32 weights and AdamW moments, the noise RNG restored."""
-    run_script(SCRIPT, *small_args(small_data, flat_target, "whole", "--epochs", "2"))
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target, optimizer):
+    """Bitwise on CPU, with either optimizer: same batches, fp32 weights and optimizer state
+    (Muon's momentum, AdamW's moments and step count), the noise RNG restored."""
+    whole, killed = f"whole-{optimizer}", f"killed-{optimizer}"
+    extra = ("--epochs", "2", "--optimizer", optimizer)
+    assert f"recipe: {optimizer}" in run_script(SCRIPT, *small_args(small_data, flat_target, whole, *extra)).stdout
     script = [sys.executable, REPO_ROOT / SCRIPT]
-    kill_after_step_checkpoint([*script, *small_args(small_data, flat_target, "killed", "--epochs", "2")],
-                               small_data / "killed" / "checkpoints" / "steps")
-    point = checkpoints.latest(small_data / "killed" / "checkpoints")
+    kill_after_step_checkpoint([*script, *small_args(small_data, flat_target, killed, *extra)],
+                               small_data / killed / "checkpoints" / "steps")
+    point = checkpoints.latest(small_data / killed / "checkpoints")
     assert point.skip_batches > 0 and point.epoch == 0  # killed in the middle of epoch 1
-    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, "killed", "--epochs", "2", "--resume")).stdout
+    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, killed, *extra, "--resume")).stdout
     assert "resuming after step checkpoint" in resumed
-    assert_same_training(small_data, "whole", "killed", last_epoch=1)
-    kept = checkpoints.numbered(small_data / "whole" / "checkpoints" / "steps")
+    assert_same_training(small_data, whole, killed, last_epoch=1)
+    kept = checkpoints.numbered(small_data / whole / "checkpoints" / "steps")
     assert kept == [55, 60]  # the last two of every 5th step, the epoch ends (32, 64) excepted
 
 
@@ -384,7 +388,7 @@ def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "x 2 rank(s)" in whole.stdout
+    assert "x 2 rank(s)" in whole.stdout and "recipe: muon" in whole.stdout  # Muon on FSDP-sharded matrices
     kill_after_step_checkpoint([*torchrun, *small_args(small_data, flat_target, "ranks2_killed", "--epochs", "1")],
                                small_data / "ranks2_killed" / "checkpoints" / "steps")
     assert checkpoints.latest(small_data / "ranks2_killed" / "checkpoints").skip_batches > 0
@@ -480,6 +484,16 @@ def test_checkpoint_of_another_config_is_refused_on_resume(trained, tmp_path):
     checkpoint = tmp_path / "out" / "checkpoints" / "1"
     assert f"checkpoint {checkpoint} was trained with another draft config" in str(error.value)
     assert "intermediate_size 256 there, 128 now" in str(error.value)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_optimizer_is_refused_on_resume(trained, tmp_path):
+    shutil.copytree(trained.run / "checkpoints", tmp_path / "out" / "checkpoints")
+    with pytest.raises(PipelineError) as error:
+        train_in_process(*bad_input_args(trained, tmp_path / "out"), "--optimizer", "adamw", "--resume")
+    assert str(error.value).startswith(f"checkpoint {tmp_path / 'out' / 'checkpoints' / '1'} was trained with another "
+                                       "optimizer set-up (parameter groups of [8, 4] there, [11] now with "
+                                       "--optimizer adamw)")
 
 
 @pytest.mark.slow

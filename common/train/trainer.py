@@ -148,9 +148,23 @@ class ProjectTrainer(Trainer):
         reader = type(self.checkpointer)(point.folder.parent)
         reader.previous_epoch = int(point.folder.name)  # the library's name for "the folder to load"
         reader.load_model_state_dict(self.model)
+        self.check_same_optimizer(reader.optimizer_path(reader.previous_epoch), point.folder)
         reader.load_optimizer_state_dict(self.model, self.opt)
         if self.scheduler is not None:
             reader.load_scheduler_state_dict(self.scheduler)
+
+    def check_same_optimizer(self, path: Path, folder: Path) -> None:
+        """The saved optimizer state must have this run's parameter groups (one for AdamW; Muon's
+        and AdamW's for muon, the lm_head in the second unless frozen): torch's own refusal
+        names neither the checkpoint nor the flags."""
+        saved = [len(g["params"]) for g in torch.load(path, mmap=True, weights_only=True)["param_groups"]]
+        ours = [len(g["params"]) for g in self.opt.param_groups]
+        if saved != ours:
+            s = self.settings
+            raise PipelineError(f"checkpoint {folder} was trained with another optimizer set-up (parameter groups of "
+                                f"{saved} there, {ours} now with --optimizer {s.optimizer}"
+                                f"{' --freeze-draft-lm-head' if s.freeze_draft_lm_head else ''}); resume with the "
+                                "recipe flags it was trained with, or drop --resume to start over")
 
     def train_epoch(self, epoch: int) -> None:
         """The library's epoch, iterating `EpochBatches` instead of the loader itself."""
