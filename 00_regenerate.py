@@ -24,14 +24,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.defaults import demo_inputs
 from common.errors import PipelineError
-from common.regenerate.run import RegenerateOptions, regenerate, sampling_defaults, summary_lines
-from common.target.config import DTYPES
-from common.vllm.client import add_engine_args
+from common.regenerate.engines import open_engine
+from common.regenerate.run import RegenerateOptions, regenerate, summary_lines
+from common.runtime import Runtime, add_runtime_args
+from common.target.config import TargetInfo, load_target_info
+from common.target.tokenizer import load_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,29 +62,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="keep a generation cut at --max-new-tokens as the conversation's last turn (default: drop)")
     gen.add_argument("--keep-too-long", action="store_true",
                      help="keep a conversation whose first prompt is too long as is (default: drop)")
-    model = parser.add_argument_group("model")
-    model.add_argument("--device", default=None, help="hf engine (default: cuda if available, else cpu)")
-    model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="hf engine weights (default: bfloat16 on a GPU, float32 on the CPU)")
-    add_engine_args(parser, "generate")
-    parser.add_argument("--vllm-url", default=None, metavar="URL",
-                        help="--engine vllm: a running vLLM server (`vllm serve TARGET`, e.g. http://host:8000) "
-                             "instead of starting one")
+    add_runtime_args(parser, "generate", device_map=False, url=True)
     parser.add_argument("--max-in-flight", type=int, default=256,
                         help="--vllm-url: requests sent at once (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.vllm_url and args.engine != "vllm":
-        raise PipelineError(f"--vllm-url {args.vllm_url} needs --engine vllm")
     if args.max_in_flight < 1:
         raise PipelineError(f"--max-in-flight {args.max_in_flight}: must be at least 1")
     return args
 
 
-def prompt_limit(args: argparse.Namespace, target: Path, trust_remote_code: bool) -> int:
+def prompt_limit(args: argparse.Namespace, info: TargetInfo) -> int:
     """--max-prompt-len, lowered so that prompt + --max-new-tokens fit the target's positions."""
-    from common.target.config import load_target_info
-
-    positions = getattr(load_target_info(target, trust_remote_code).text_config, "max_position_embeddings", None)
+    positions = getattr(info.text_config, "max_position_embeddings", None)
     if positions is None:
         return args.max_prompt_len
     if args.max_new_tokens >= positions:
@@ -92,12 +81,10 @@ def prompt_limit(args: argparse.Namespace, target: Path, trust_remote_code: bool
     return min(args.max_prompt_len, positions - args.max_new_tokens)
 
 
-def build_options(args: argparse.Namespace, target: Path, trust_remote_code: bool) -> RegenerateOptions:
-    temperature, top_p = sampling_defaults(target)
-    if args.temperature is not None:
-        temperature = args.temperature
-    if args.top_p is not None:
-        top_p = args.top_p
+def build_options(args: argparse.Namespace, target: Path, info: TargetInfo) -> RegenerateOptions:
+    """The run's settings: the flags, sampling defaulting to the target's generation_config.json."""
+    temperature = args.temperature if args.temperature is not None else info.temperature
+    top_p = args.top_p if args.top_p is not None else info.top_p
     if args.top_p is not None and args.top_p < 1.0 and temperature == 0.0:
         raise PipelineError(f"--top-p {args.top_p} needs --temperature > 0 (greedy ignores it)")
     return RegenerateOptions(
@@ -105,30 +92,26 @@ def build_options(args: argparse.Namespace, target: Path, trust_remote_code: boo
         temperature=temperature, top_p=top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
         max_samples=args.max_samples, num_shards=args.num_shards, shard_index=args.shard_index,
         part_size=args.part_size, batch_size=args.batch_size,
-        max_prompt_len=prompt_limit(args, target, trust_remote_code),
+        max_prompt_len=prompt_limit(args, info),
         thinking=not args.no_thinking, keep_cut=args.keep_cut, keep_too_long=args.keep_too_long, engine=args.engine)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.data.prepare import load_tokenizer
-    from common.regenerate.engines import open_engine
-
     args = parse_args(argv)
 
     # 1. the target, the inputs, the settings (checked before anything is loaded)
     target, trust_remote_code = resolve_target(args)
-    options = build_options(args, target, trust_remote_code)
+    info = load_target_info(target, trust_remote_code)
+    options = build_options(args, target, info)
     options.check()
+    runtime = Runtime.from_args(args)
     mode = "greedy" if options.temperature == 0 else f"temperature {options.temperature}, top-p {options.top_p}"
     print(f"target {target}, engine {options.engine}, {mode}, up to {options.max_new_tokens:,} new tokens per turn, "
           f"shard {options.shard_index} of {options.num_shards}, inputs {', '.join(map(str, options.inputs))}")
 
     # 2. the tokenizer and the engine
     tokenizer = load_tokenizer(target, trust_remote_code)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    with open_engine(options, tokenizer, trust_remote_code, device, dtype, args.vllm_python,
-                     args.tensor_parallel_size, args.vllm_url, args.max_in_flight) as engine:
+    with open_engine(options, tokenizer, info, trust_remote_code, runtime, args.max_in_flight) as engine:
         # 3. regenerate part by part (finished parts are skipped)
         report = regenerate(options, tokenizer, engine)
 

@@ -34,8 +34,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.data.prepared_dataset import check_prepared_target, load_prepared
 from common.errors import PipelineError
@@ -64,17 +62,11 @@ from common.hidden_states.files import (
     write_manifest,
 )
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage
-from common.target.config import DTYPES, TargetInfo, load_target_info, weight_map
-from common.target.device_plan import check_placement_flags
+from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of
+from common.runtime import Runtime, add_runtime_args
+from common.target.config import TargetInfo, load_target_info, weight_map
 from common.target.model import load_text_model
-from common.vllm.client import (
-    EngineSettings,
-    VllmStateExtractor,
-    VllmWorker,
-    add_engine_args,
-    check_vllm_python,
-    final_norm_of,
-)
+from common.vllm.client import EngineSettings, VllmWorker
 
 DEFAULT_BATCH_TOKENS = 8192
 
@@ -94,17 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model = parser.add_argument_group("model")
     model.add_argument("--layer-ids", type=int, nargs="+", default=None, metavar="I",
                        help="three auxiliary layer ids, vLLM convention (default: 2 N//2 N-3)")
-    model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="compute dtype (default: bf16 on GPU and with --engine vllm, fp32 on CPU); "
-                            "files: see --storage")
-    placement = model.add_mutually_exclusive_group()
-    placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if present)")
-    placement.add_argument("--device-map", choices=["auto"], default=None,
-                           help="spread one large target over all visible GPUs (planned from its packed sizes; "
-                                "refused, never offloaded, when it does not fit)")
-    model.add_argument("--max-memory", default=None, metavar="SIZE",
-                       help="with --device-map auto: budget per GPU, e.g. 130GiB or 0=130GiB,1=120GiB "
-                            "(default: each GPU's free memory)")
     batching = parser.add_argument_group("batching and sharding")
     batching.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
                           help="padded tokens per forward pass (default: %(default)s)")
@@ -114,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="this process's shard, 0-based (default: $RANK or 0)")
     batching.add_argument("--skip-disk-check", action="store_true",
                           help="start even when the output disk looks too small")
-    add_engine_args(parser, "extract")
+    add_runtime_args(parser, "extract")
     args = parser.parse_args(argv)
     if args.batch_tokens <= 0:
         raise PipelineError(f"--batch-tokens {args.batch_tokens}: must be positive")
@@ -123,32 +104,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def resolve_device(args: argparse.Namespace) -> tuple[str | None, torch.dtype]:
-    """(device, compute dtype): cuda:LOCAL_RANK when a GPU is present; bf16 on GPU, fp32 on CPU."""
-    gpu = torch.cuda.is_available()
-    device = None if args.device_map else args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if gpu else "cpu")
-    on_gpu = gpu and (device is None or device.startswith("cuda"))
-    return device, DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if on_gpu else torch.float32)
-
-
 @contextmanager
-def open_extractor(args: argparse.Namespace, info: TargetInfo, trust_remote_code: bool, vllm_python: Path | None,
-                   layer_ids: list[int], dtype: torch.dtype, device: str | None, storage: StateStorage, out: Path,
-                   longest: int) -> Iterator[StateExtractor | VllmStateExtractor]:
+def open_extractor(runtime: Runtime, info: TargetInfo, trust_remote_code: bool, layer_ids: list[int],
+                   storage: StateStorage, out: Path, longest: int, batch_tokens: int,
+                   shard: tuple[int, int]) -> Iterator[StateExtractor | VllmStateExtractor]:
     """The engine that computes the states: the target in this process (HF), or a vLLM worker
     in its own environment, which writes through a scratch folder inside `out`."""
-    if vllm_python is None:
-        model = load_text_model(info, dtype, device, args.device_map, args.max_memory, args.batch_tokens)
+    if not runtime.vllm:
+        model = load_text_model(info, runtime.dtype, runtime.device, runtime.device_map, runtime.max_memory,
+                                batch_tokens)
         yield StateExtractor(model, layer_ids, storage)
         return
-    settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, args.tensor_parallel_size)
-    settings.dtype = str(dtype).removeprefix("torch.")
-    scratch = f".vllm-states-{args.shard_index}-of-{args.num_shards}-"
+    settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, runtime.tensor_parallel_size,
+                                         runtime.vllm_dtype)
+    scratch = f".vllm-states-{shard[0]}-of-{shard[1]}-"
     for stale in out.glob(scratch + "*"):  # left by a killed run of this shard
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
         settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
-        with VllmWorker(vllm_python, settings) as worker:
+        with VllmWorker(runtime.vllm_python, settings) as worker:
             print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
             yield VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)
 
@@ -163,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     info = load_target_info(target, trust_remote_code)
     weight_map(info.path)  # a folder without weights is refused before the output folder is touched
     layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
-    device, dtype = resolve_device(args)
-    check_placement_flags(args.device_map, args.max_memory)
-    vllm_python = check_vllm_python(args.vllm_python) if args.engine == "vllm" else None
-    if vllm_python is not None and args.dtype is None:
-        dtype = torch.bfloat16  # vLLM serves in bf16 (fp32 is slow on its CPU kernels)
+    runtime = Runtime.from_args(args)
 
     # 2. The prepared samples, refused if their ids do not fit the target's vocabulary.
     ds, report = load_prepared(prepared_dir)
@@ -176,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. The output folder (refused if it holds another target's states), this shard's batches, resume.
     storage = STORAGES[args.storage]
-    config = new_data_config(info, layer_ids, dtype, prepared_dir, report, storage)
+    config = new_data_config(info, layer_ids, runtime.compute_dtype, prepared_dir, report, storage)
     check_output_folder(out, config)
     check_prepared_target(report, prepared_dir, info.path, info.vocab_size)
     batches = shard_batches(plan_batches(lengths, args.batch_tokens), args.num_shards, args.shard_index)
@@ -197,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     shard = f"shard {args.shard_index} of {args.num_shards}: " if args.num_shards > 1 else ""
     print(f"{shard}{len(mine):,} samples in {len(batches):,} batches: {len(done):,} done, {redo:,} to redo, "
           f"{len(mine - done):,} to extract ({todo_tokens:,} tokens, about {needed / 1e9:,.2f} GB)")
-    where = "vLLM" if vllm_python else device or "device map auto"
     print(f"target {info.path} ({info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}); "
-          f"states {layer_ids} + post-norm final; compute {config.compute_dtype} on {where}, stored as {storage.name}")
+          f"states {layer_ids} + post-norm final; compute on {runtime.describe()}, stored as {storage.name}")
 
     # 5. Extract.
     write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
@@ -207,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     if mine - done:
         show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
         with Journal(journal_path(out, args.shard_index, args.num_shards)) as journal, \
-                open_extractor(args, info, trust_remote_code, vllm_python, layer_ids, dtype, device, storage, out,
-                               max(lengths.values())) as extractor:
+                open_extractor(runtime, info, trust_remote_code, layer_ids, storage, out, max(lengths.values()),
+                               args.batch_tokens, (args.shard_index, args.num_shards)) as extractor:
             stats = ExtractionRun(extractor, ds, out, show_progress=show, journal=journal).run(batches, done, lengths)
 
     # 6. This shard's manifest; the last shard to finish merges them all.

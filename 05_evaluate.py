@@ -28,14 +28,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.data.prepare import load_tokenizer
 from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.draft import patch
 from common.draft.model import load_draft
 from common.errors import PipelineError
-from common.evaluate.decoding import SamplingParams, stop_token_ids
+from common.evaluate.decoding import SamplingParams
 from common.evaluate.measure import (
     DraftReport,
     check_data,
@@ -53,11 +51,13 @@ from common.evaluate.measure import (
     untrained_draft,
     write_report,
 )
-from common.target.config import DTYPES, load_target_info
-from common.target.device_plan import check_placement_flags
+from common.evaluate.served import engine_table, measure_with_vllm
+from common.runtime import Runtime, add_runtime_args
+from common.target.config import load_target_info
 from common.target.model import load_text_model
+from common.target.tokenizer import load_tokenizer
 from common.train.data import load_hidden_states
-from common.vllm.client import EngineSettings, add_engine_args, check_vllm_python, engine_table, measure_with_vllm
+from common.vllm.client import EngineSettings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,17 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     decoding.add_argument("--no-baselines", action="store_true",
                           help="skip the n-gram and untrained-draft baselines")
     decoding.add_argument("--offline-only", action="store_true", help="skip speculative decoding")
-    model = parser.add_argument_group("model placement")
-    model.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="compute dtype of target and draft (default: bf16 on GPU, fp32 on CPU)")
-    placement = model.add_mutually_exclusive_group()
-    placement.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda if present)")
-    placement.add_argument("--device-map", choices=["auto"], default=None,
-                           help="spread one large target over all visible GPUs (the draft goes on cuda:0); "
-                                "refused, never offloaded, when it does not fit")
-    model.add_argument("--max-memory", default=None, metavar="SIZE",
-                       help="with --device-map auto: budget per GPU, e.g. 130GiB or 0=130GiB,1=120GiB")
-    add_engine_args(parser, "also measure served acceptance")
+    add_runtime_args(parser, "also measure served acceptance")
     args = parser.parse_args(argv)
     if args.engine == "vllm" and args.offline_only:
         raise PipelineError("--engine vllm measures served acceptance; it cannot be combined with --offline-only")
@@ -116,10 +106,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with patch.target_weights_read_once():  # the drafts built below share one read of the target's head
+        return evaluate(args)
+
+
+def evaluate(args: argparse.Namespace) -> int:
     k = args.num_speculative_tokens
-    check_placement_flags(args.device_map, args.max_memory)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() or args.device_map else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    runtime = Runtime.from_args(args)
+    device, dtype = runtime.primary_device, runtime.dtype
 
     # 1. the target, and every draft checked against it before anything heavy is loaded
     target, trust_remote_code = resolve_target(args)
@@ -129,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         draft_dirs["reference"] = args.reference
     for folder in draft_dirs.values():
         check_draft(folder, info)
-    vllm_python = check_vllm_python(args.vllm_python) if args.engine == "vllm" else None
 
     # 2. held-out samples: hidden states (optional unless named) and prompts
     data_dir = stage_dir(args, "hidden_states", args.data)
@@ -167,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     plain = None
     if not args.offline_only:
         context = max((len(p.ids) for p in prompts), default=0) + args.max_new_tokens + k + 1  # longest sequence
-        model = load_text_model(info, dtype, str(device), args.device_map, args.max_memory, context, logits=True)
-        stop_ids = stop_token_ids(info.path, info.text_config)
+        model = load_text_model(info, dtype, runtime.device, runtime.device_map, runtime.max_memory, context,
+                                logits=True)
+        stop_ids = set(info.stop_ids)
         mode = "greedy" if sampling.greedy else f"sampling at temperature {args.temperature}, top-p {args.top_p}"
         print(f"decoding {len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a "
               f"prompt skipped), up to {args.max_new_tokens} new tokens each, {mode}, stop ids {sorted(stop_ids)}")
@@ -187,14 +181,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # 5. served: vLLM with each draft and without speculation, on the same prompts
     served: dict = {}
-    if vllm_python is not None:
+    if runtime.vllm:
         longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + k + 8
-        base = EngineSettings.for_target(info, longest, trust_remote_code, args.tensor_parallel_size)
-        if args.dtype:  # else vLLM's bf16, whatever 05's own decoder uses
-            base.dtype = str(DTYPES[args.dtype]).removeprefix("torch.")
-        served_plain, served = measure_with_vllm(vllm_python, base, [(p.sample_id, p.ids) for p in prompts],
-                                                 draft_dirs,
-                                          k, args.max_new_tokens, stop_ids)
+        # vLLM serves in --dtype, else its bf16, whatever 05's own decoder uses
+        base = EngineSettings.for_target(info, longest, trust_remote_code, runtime.tensor_parallel_size,
+                                         runtime.vllm_dtype)
+        served_plain, served = measure_with_vllm(runtime.vllm_python, base, [(p.sample_id, p.ids) for p in prompts],
+                                                 draft_dirs, k, args.max_new_tokens, set(info.stop_ids))
 
     # 6. summary: the side-by-side table, one output text, the JSON
     drafts = [report for report, _ in reports]
@@ -202,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if served:
         print(engine_table([r.name for r in drafts], {r.name: r.measured for r in drafts}, served,
                            {r.name: (r.offline or {}).get("simulated_acceptance_length") for r in drafts}, k))
-    tokenizer = load_tokenizer(Path(info.path), trust_remote_code)
+    tokenizer = load_tokenizer(target, trust_remote_code)
     decode = tokenizer.decode
     if drafts[0].measured is not None:
         first = drafts[0].measured.generations[0]

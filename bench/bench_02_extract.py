@@ -114,7 +114,7 @@ def run(samples: int = 200, repeats: int = 3, batch_tokens: int = 2048, target: 
     """Both ways `repeats` times on the same samples; medians, ratios and bytes per token.
     On a GPU both run in bf16 (the naive way still saves float32), on the CPU in fp32."""
     target = target or ensure_target("kimi")
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     model = load_text_model(info, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32, device=device)
     layer_ids = info.default_layer_ids()
     ids = demo_samples(target, samples)

@@ -103,7 +103,7 @@ def measure(target: Path, samples: int, batch_tokens: int) -> dict:
     from bench_02_extract import demo_samples, run_ours
     from datasets import Dataset
 
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     sizes = disk_sizes(target, info.weight_prefix)  # from the shards' headers: nothing loaded yet
     disk_bytes = sum(sizes.values())
     packed_disk = sum(n for k, n in sizes.items() if k.endswith(PACKED_PARAMS))

@@ -30,15 +30,10 @@ from datasets import Dataset  # noqa: E402
 
 from common.fixtures.targets import ensure_target  # noqa: E402
 from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
+from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of  # noqa: E402
 from common.target.config import load_target_info  # noqa: E402
 from common.target.model import load_text_model  # noqa: E402
-from common.vllm.client import (
-    EngineSettings,
-    VllmStateExtractor,
-    VllmWorker,
-    check_vllm_python,
-    final_norm_of,  # noqa: E402
-)
+from common.vllm.client import EngineSettings, VllmWorker, check_vllm_python  # noqa: E402
 
 
 def extract(extractor, samples: list[list[int]], batch_tokens: int) -> float:
@@ -55,7 +50,7 @@ def extract(extractor, samples: list[list[int]], batch_tokens: int) -> float:
 def run(samples: int = 200, repeats: int = 3, batch_tokens: int = 2048, target: Path | None = None,
         device: str = "cpu", vllm_python: Path | None = None) -> dict:
     target = target or ensure_target("flat")
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     python = check_vllm_python(vllm_python)
     layer_ids = info.default_layer_ids()
     ids = demo_samples(target, samples)

@@ -72,7 +72,7 @@ def run(run_dir: Path = DEFAULT_RUN, samples: int = 200, repeats: int = 3, total
     patch.apply(trust_remote_code=True, compile_forward=False)
     config_file = read_config_file(draft_config)
     settings, _ = TrainSettings.resolve(config_file, {"total_seq_len": total_seq_len, "num_workers": num_workers})
-    info = load_target_info(ensure_target("kimi"))
+    info = load_target_info(ensure_target("kimi"), trust_remote_code=True)
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
     data = load_hidden_states(run_dir / "hidden_states")
     train_files, _val = split_data(data, settings.val_ratio, settings.seed)

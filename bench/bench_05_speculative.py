@@ -33,14 +33,13 @@ from common.data.prepared_dataset import load_prepared  # noqa: E402
 from common.defaults import DEFAULT_RUN_DIR  # noqa: E402
 from common.draft.model import load_draft  # noqa: E402
 from common.errors import PipelineError  # noqa: E402
-from common.evaluate.decoding import stop_token_ids  # noqa: E402
 from common.evaluate.measure import (  # noqa: E402
     check_draft,
     degenerate_share,
     held_out,
     mean_distinct_ratio,
     measure_draft,
-    measure_greedy,
+    measure_plain,
     select_prompts,
 )
 from common.fixtures.targets import ensure_target  # noqa: E402
@@ -59,7 +58,7 @@ def run(run_dir: Path = DEFAULT_RUN_DIR, draft: Path | None = None, target: Path
         raise PipelineError(f"{draft_dir} or {prepared_dir} missing: run the main job (01 -> 04) first, "
                             "or pass --draft and --prepared")
     target_dir = target or ensure_target("kimi")
-    info = load_target_info(target_dir)
+    info = load_target_info(target_dir, trust_remote_code=True)
     check_draft(draft_dir, info)
     model = load_text_model(info, device=device)
     draft_model = load_draft(draft_dir, target=info.path, trust_remote_code=True, device=device)
@@ -67,11 +66,11 @@ def run(run_dir: Path = DEFAULT_RUN_DIR, draft: Path | None = None, target: Path
     data_dir = Path(run_dir) / "hidden_states"
     split = held_out(draft_dir, load_hidden_states(data_dir) if data_dir.is_dir() else None)
     chosen, _ = select_prompts(ds, prompts, split.rows)
-    stop_ids = stop_token_ids(info.path, info.text_config)
+    stop_ids = info.stop_ids
 
     greedy_s, spec_s, results = [], [], []
     for _ in range(repeats):
-        greedy = measure_greedy(model, chosen, max_new_tokens, stop_ids, show_progress=False)
+        greedy = measure_plain(model, chosen, max_new_tokens, stop_ids, show_progress=False)
         result = measure_draft(model, draft_model, chosen, greedy, k, max_new_tokens, stop_ids, show_progress=False)
         greedy_s.append(result.greedy_seconds)
         spec_s.append(result.seconds)

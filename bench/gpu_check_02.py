@@ -67,7 +67,7 @@ def describe(v) -> str:
 
 def check_target(kind: str, work: Path, samples: int, failures: list[str]) -> None:
     target = ensure_target(kind, cache_dir=work / "targets")
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     layer_ids = info.default_layer_ids()
     prepared = work / kind / "prepared"
     print(f"{kind}: {target}")

@@ -105,7 +105,7 @@ def main() -> None:
     config_file = read_config_file(args.draft_config)
     hidden = config_file.model.hidden_size
     target = write_standin_target(args.out / "target", hidden, device)
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     settings, _ = TrainSettings.resolve(config_file, {"total_seq_len": args.seq_len, "scheduler": "none"})
     counts = torch.arange(KIMI_VOCAB_SIZE, 0, -1)  # any fixed choice of 32000 ids
     d2t, t2d = build_maps(counts, config_file.model.draft_vocab_size)

@@ -98,7 +98,6 @@ def run_main(main: Callable[[], int | None]) -> None:
 def _close_progress_bars() -> None:
     """Close the bars an exception left open (they would redraw at exit, after the message), so
     the message is the last line on stderr."""
-    from tqdm import tqdm
 
     for bar in list(getattr(tqdm, "_instances", ())):  # created with the first bar
         bar.close()

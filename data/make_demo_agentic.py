@@ -129,7 +129,7 @@ def compare_weather(rng: random.Random, ids: Ids) -> tuple[list[dict], list[str]
     (ta, ca, _), (tb, cb, _) = CITIES[a], CITIES[b]
     warmer, diff = (a, ta - tb) if ta >= tb else (b, tb - ta)
     return [{"role": "user", "content": f"Which is warmer right now, {a} or {b}?"},
-            assistant("", f"I need both cities' weather; the two calls are independent, so I'll make them together.",
+            assistant("", "I need both cities' weather; the two calls are independent, so I'll make them together.",
                       calls),
             result(calls[0], {"city": a, "temperature_c": ta, "condition": ca}),
             result(calls[1], {"city": b, "temperature_c": tb, "condition": cb}),

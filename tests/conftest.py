@@ -78,7 +78,7 @@ def run_script(script: str, *args: str | Path, check: bool = True, timeout: floa
 def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
                         length: int = 48, seed: int = 0, storage: str = "bf16") -> Path:
     """A hidden-state folder as step 02 writes it, with random states (for checks and plumbing)."""
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     hidden = hidden or info.hidden_size
     g = torch.Generator().manual_seed(seed)
     lengths = {}
@@ -116,7 +116,7 @@ def tiny_draft(flat_target) -> Eagle3DraftModel:
     """An untrained draft of configs/draft_tiny.json on the flat miniature, as 04 builds it
     (PyTorch's initialisation, seed 0), with a 200-token draft vocabulary. Tests copy it."""
     patch.apply(compile_forward=False)
-    info = load_target_info(flat_target)
+    info = load_target_info(flat_target, trust_remote_code=True)
     d2t, t2d = build_maps(falling_counts(info.vocab_size, 200), 200)
     config = speculator_config(read_config_file(TINY_CONFIG).model, info, 200, info.default_layer_ids(), 3)
     torch.manual_seed(0)

@@ -19,15 +19,16 @@ import torch
 from conftest import run_script
 
 from common.data.conversations import Conversation, Message, ToolCall, to_conversation
-from common.data.prepare import PrepareOptions, load_tokenizer, prepare
+from common.data.prepare import PrepareOptions, prepare
 from common.data.prepared_dataset import load_prepared
 from common.defaults import REPO_ROOT
-from common.evaluate.decoding import greedy_generate, stop_token_ids
+from common.evaluate.decoding import plain_generate
 from common.regenerate.assistant_output import MalformedToolCall, parse_assistant_text
 from common.regenerate.engines import HfEngine
 from common.regenerate.run import TOOL_CALLS_DIVERGED, RegenerateOptions, _Turns, regenerate
 from common.target.config import load_target_info
 from common.target.model import load_text_model
+from common.target.tokenizer import load_tokenizer
 
 SCRIPT = "00_regenerate.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -46,10 +47,10 @@ def script_args(target: Path, output: Path) -> list[str | Path]:
 
 @pytest.fixture(scope="module")
 def kimi(kimi_target):
-    info = load_target_info(kimi_target)
+    info = load_target_info(kimi_target, trust_remote_code=True)
     model = load_text_model(info, torch.float32, "cpu", None, logits=True)
     tokenizer = load_tokenizer(kimi_target, True)
-    return info, model, tokenizer, stop_token_ids(info.path, info.text_config)
+    return info, model, tokenizer, info.stop_ids
 
 
 def engine_of(kimi, batch_size: int) -> HfEngine:
@@ -85,7 +86,7 @@ def test_regenerated_turns_are_the_targets_greedy_generations(kimi, regenerated)
             prompt = tokenizer.apply_chat_template(messages[:j], tools=record.get("tools"), tokenize=False,
                                                    add_generation_prompt=True)
             ids = tokenizer.encode(prompt, add_special_tokens=False)
-            plain = greedy_generate(model, ids, MAX_NEW, stops).tokens
+            plain = plain_generate(model, ids, MAX_NEW, stops).tokens
             finished = plain[-1] in stops
             text = tokenizer.decode(plain[:-1] if finished else plain, skip_special_tokens=False)
             assert parse_assistant_text(text, True).message.to_template() == {

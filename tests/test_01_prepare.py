@@ -21,7 +21,6 @@ from common.data.conversations import (
 from common.data.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
 from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
 from common.data.prepared_dataset import COLUMNS, PrepareReport, load_prepared
-from common.defaults import REPO_ROOT, demo_inputs
 from common.errors import PipelineError
 from common.fixtures.targets import FLAT_CHAT_TEMPLATE
 from tests.conftest import run_script
@@ -530,12 +529,6 @@ def test_bad_flag_values(kimi_target, demo_conversations, tmp_path):
             _prepare(kimi_target, [demo_conversations], tmp_path / "out", **kwargs)
 
 
-def test_demo_inputs_are_every_shipped_demo_file():
-    names = [p.name for p in demo_inputs()]
-    assert {"demo_conversations.jsonl", "demo_agentic.jsonl"} <= set(names) and names == sorted(names)
-    assert all(p.parent == REPO_ROOT / "data" and p.name.startswith("demo_") for p in demo_inputs())
-
-
 def test_demo_agentic_data_is_clean_and_agentic(demo_conversations):
     """Every call well formed and answered, contents plain strings (renderable by any template), and
     a realistic share of tool use and reasoning."""
@@ -581,5 +574,5 @@ def test_cli_errors_name_the_file(kimi_target, tmp_path, make, reason):
     proc = run_script("01_prepare_data.py", "--input", path, "--target", kimi_target, "--trust-remote-code",
                       "--output", tmp_path / "out", check=False)
     assert proc.returncode == 1
-    assert f"error: " in proc.stderr and str(path) in proc.stderr and reason in proc.stderr
+    assert "error: " in proc.stderr and str(path) in proc.stderr and reason in proc.stderr
     assert not (tmp_path / "out").exists()

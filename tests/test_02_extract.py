@@ -70,7 +70,7 @@ def write_prepared(folder: Path, target: Path, num: int, seed: int = 0, max_len:
     masks = [(torch.rand(n, generator=g) < 0.5).long().tolist() for n in lengths]
     Dataset.from_dict({"sample_id": [f"rand-{i}" for i in range(num)], "input_ids": ids, "loss_mask": masks,
                        "num_tokens": lengths}).save_to_disk(str(folder))
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     PrepareReport(target=info.path, tokenizer="test", vocab_size=info.vocab_size, chat_template_sha256="0" * 64,
                   max_len=max_len, inputs=["random"], samples_kept=num).save(folder)
     return folder
@@ -123,7 +123,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def models(kimi_target, flat_target) -> dict[str, tuple[Path, torch.nn.Module]]:
     """Each miniature target in fp32 on the CPU, loaded once."""
-    return {name: (path, load_text_model(load_target_info(path)))
+    return {name: (path, load_text_model(load_target_info(path, trust_remote_code=True)))
             for name, path in (("kimi", kimi_target), ("flat", flat_target))}
 
 

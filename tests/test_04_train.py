@@ -268,7 +268,7 @@ def test_summary_and_report(trained):
 
 
 def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
-    info = load_target_info(flat_target)
+    info = load_target_info(flat_target, trust_remote_code=True)
     write_hidden_states(tmp_path / "hs", flat_target, num_samples=12)
     write_vocab_folder(tmp_path / "vocab", info.vocab_size)
     train_in_process("--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
@@ -284,7 +284,7 @@ def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
 
 def test_trains_on_fp8_data_through_the_library_loader(tmp_path, kimi_target, capsys):
     """04 on an fp8 folder: the library's dataset hands the Trainer the dequantized states."""
-    info = load_target_info(kimi_target)
+    info = load_target_info(kimi_target, trust_remote_code=True)
     data_dir = write_hidden_states(tmp_path / "hs", kimi_target, num_samples=12, storage="fp8")
     data = load_hidden_states(data_dir)
     settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {"total_seq_len": 128, "noise_std": 0.0})
@@ -336,7 +336,7 @@ def small_data(tmp_path_factory, flat_target) -> Path:
     """Hidden states and vocabulary of the flat target: 64 training samples, 32 steps per epoch."""
     folder = tmp_path_factory.mktemp("small04")
     write_hidden_states(folder / "hs", flat_target, num_samples=80)
-    write_vocab_folder(folder / "vocab", load_target_info(flat_target).vocab_size)
+    write_vocab_folder(folder / "vocab", load_target_info(flat_target, trust_remote_code=True).vocab_size)
     return folder
 
 
@@ -405,7 +405,7 @@ def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
 
 def test_hidden_states_and_vocabulary_of_different_prepared_runs_are_refused(tmp_path, flat_target):
     write_hidden_states(tmp_path / "hs", flat_target, num_samples=4)
-    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target).vocab_size)
+    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target, trust_remote_code=True).vocab_size)
     for path, fingerprint in ((tmp_path / "hs" / "data_config.json", "1" * 16),
                               (tmp_path / "vocab" / "vocab_report.json", "2" * 16)):
         path.write_text(json.dumps({**json.loads(path.read_text()), "prepared_fingerprint": fingerprint}))

@@ -25,9 +25,8 @@ from common.evaluate.decoding import (
     Proposal,
     SamplingParams,
     SpeculativeStats,
-    greedy_generate,
+    plain_generate,
     speculative_generate,
-    stop_token_ids,
 )
 from common.evaluate.measure import DraftReport, MeasuredResult, check_draft, gap_notes, select_prompts, summary_table
 from common.hidden_states.capture import capture_layers
@@ -58,7 +57,7 @@ def one_thread():
 def random_draft(target: Path, seed: int = 0):
     """An untrained draft for `target`, with a draft vocabulary that is not the identity map."""
     patch.apply(trust_remote_code=True, compile_forward=False)
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     counts = torch.zeros(info.vocab_size, dtype=torch.long)
     counts[:4096] = torch.randint(1, 100, (4096,), generator=torch.Generator().manual_seed(seed))
     d2t, t2d = build_maps(counts, DRAFT_VOCAB)
@@ -81,7 +80,7 @@ def models(kimi_target, flat_target):
     """(target model, info, random draft) per miniature target, loaded once."""
     loaded = {}
     for name, path in (("kimi", kimi_target), ("flat", flat_target)):
-        info = load_target_info(path)
+        info = load_target_info(path, trust_remote_code=True)
         loaded[name] = (load_text_model(info), info, random_draft(path))
     return loaded
 
@@ -162,12 +161,12 @@ def test_speculative_decoding_is_lossless(models, name):
     the target's own states at the verified positions."""
     model, info, draft = models[name]
     assert (name == "kimi") == any(isinstance(m, PackedLinear) for m in model.modules())  # INT4 experts, as Kimi-K2.5
-    stop_ids = stop_token_ids(info.path, info.text_config)
+    stop_ids = info.stop_ids
     layer_ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
     _, layers = decoder_parts(model)
     accepted_counts = set()
     for seed, prompt in enumerate(some_prompts(info, 3)):
-        greedy = greedy_generate(model, prompt, 24, stop_ids)
+        greedy = plain_generate(model, prompt, 24, stop_ids)
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                    eos_token_id=sorted(stop_ids), pad_token_id=0)[0, len(prompt):].tolist()
         assert greedy.tokens == reference
@@ -192,9 +191,9 @@ def test_speculative_decoding_is_lossless(models, name):
 def test_stops_at_end_of_turn(models):
     model, info, draft = models["kimi"]
     prompt = some_prompts(info, 1)[0]
-    first = greedy_generate(model, prompt, 8, set()).tokens
+    first = plain_generate(model, prompt, 8, set()).tokens
     stop = {first[4]}
-    cut = greedy_generate(model, prompt, 8, stop).tokens
+    cut = plain_generate(model, prompt, 8, stop).tokens
     assert cut == first[:first.index(first[4]) + 1]
     layer_ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
     with capture_layers(decoder_parts(model)[1], layer_ids) as captured:
@@ -203,8 +202,8 @@ def test_stops_at_end_of_turn(models):
 
 
 def test_kimi_stop_ids_include_end_of_turn(kimi_target):
-    info = load_target_info(kimi_target)
-    assert {163585, 163586} <= stop_token_ids(info.path, info.text_config)
+    info = load_target_info(kimi_target, trust_remote_code=True)
+    assert {163585, 163586} <= info.stop_ids
 
 
 # --- statistics and prompts ------------------------------------------------------------------
@@ -266,9 +265,9 @@ def self_distill(source: Path, target: Path, out: Path, max_new_tokens: int) -> 
     The miniature target's weights are random, so its continuations look nothing like the demo
     answers; a draft trained on those would learn nothing that transfers to decoding."""
     ds, report = load_prepared(source)
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)
     model = load_text_model(info)
-    stop_ids = stop_token_ids(info.path, info.text_config)
+    stop_ids = info.stop_ids
     prompts, _ = select_prompts(ds, len(ds))
     rows = {"sample_id": [], "input_ids": [], "loss_mask": [], "num_tokens": []}
     for start in range(0, len(prompts), 32):  # batched (left-padded) greedy decoding: fast enough
@@ -412,7 +411,7 @@ def test_draft_that_does_not_fit_is_refused(eval_run, kimi_target, flat_target, 
         "no_config": lambda: tmp_path,
     }[case]()
     with pytest.raises(PipelineError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        check_draft(folder, load_target_info(kimi_target))
+        check_draft(folder, load_target_info(kimi_target, trust_remote_code=True))
 
 
 def test_script_exits_1_with_one_line_on_a_bad_draft(eval_run, kimi_target):

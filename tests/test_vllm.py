@@ -20,7 +20,8 @@ import pytest
 import torch
 from conftest import run_script
 
-from common.vllm.client import _log_cause, rms_norm
+from common.hidden_states.vllm_states import rms_norm
+from common.vllm.client import _log_cause
 
 pytestmark = [pytest.mark.vllm]
 K = 3
@@ -165,11 +166,11 @@ def test_layer_id_out_of_range_is_refused_before_the_engine(flat_target, tmp_pat
 
 def test_final_norm_matches_the_target(flat_target):
     """rms_norm with the checkpoint's weight reproduces the HF model's own final norm."""
+    from common.hidden_states.vllm_states import final_norm_of
     from common.target.config import load_target_info
     from common.target.model import load_text_model
-    from common.vllm.client import final_norm_of
 
-    info = load_target_info(flat_target)
+    info = load_target_info(flat_target, trust_remote_code=True)
     model = load_text_model(info)
     x = torch.randn(5, info.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
     weight, eps = final_norm_of(info)

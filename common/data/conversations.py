@@ -29,6 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+from datasets import DatasetDict, load_from_disk
+
 from common.errors import PipelineError
 
 __all__ = [
@@ -129,7 +133,7 @@ def read_jsonl(path: Path) -> Iterator[Record]:
                 yield f"{path}:{number}", Rejection(MALFORMED_RECORD, f"not valid JSON ({e.msg})")
 
 
-def read_json(path: Path) -> Iterator[Record]:
+def read_json_records(path: Path) -> Iterator[Record]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -142,9 +146,6 @@ def read_json(path: Path) -> Iterator[Record]:
 
 
 def read_parquet(path: Path) -> Iterator[Record]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
@@ -158,8 +159,6 @@ def read_parquet(path: Path) -> Iterator[Record]:
 
 def read_hf_dataset(path: Path) -> Iterator[Record]:
     """A folder written by `Dataset.save_to_disk` (or a `DatasetDict`: its splits in name order)."""
-    from datasets import DatasetDict, load_from_disk
-
     try:
         data = load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:
@@ -176,7 +175,7 @@ def _rows(path: Path, records: Iterable[Any], start: int = 0) -> Iterator[Record
 
 FORMATS: dict[str, Callable[[Path], Iterator[Record]]] = {
     "jsonl": read_jsonl,
-    "json": read_json,
+    "json": read_json_records,
     "parquet": read_parquet,
     "hf_dataset": read_hf_dataset,
 }

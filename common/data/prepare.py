@@ -37,8 +37,9 @@ from common.data.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, t
 from common.data.prepared_dataset import COLUMNS, PrepareReport
 from common.errors import PipelineError
 from common.target.config import load_target_info
+from common.target.tokenizer import load_tokenizer
 
-__all__ = ["PrepareOptions", "DropLog", "load_tokenizer", "prepare", "summary_lines", "warning_lines"]
+__all__ = ["PrepareOptions", "DropLog", "prepare", "summary_lines", "warning_lines"]
 
 NO_SUPERVISED_AFTER_TRUNCATION = "no_supervised_after_truncation"
 BATCH_SIZE = 256
@@ -86,20 +87,6 @@ class DropLog:
     def add(self, reason: str, sample_id: str, detail: str) -> None:
         self.counts[reason] += 1
         self.examples.setdefault(reason, f"{sample_id}: {detail}")
-
-
-def load_tokenizer(target: Path, trust_remote_code: bool):
-    """The target's tokenizer, loaded once; errors name the folder."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise PipelineError(f"target {target}: its tokenizer is remote code; pass --trust-remote-code") from e
-        raise PipelineError(f"target {target}: cannot load its tokenizer: {e}") from e
-    except OSError as e:
-        raise PipelineError(f"target {target}: cannot load its tokenizer: {e}") from e
 
 
 def prepare(options: PrepareOptions) -> PrepareReport:

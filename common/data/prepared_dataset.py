@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from datasets import load_from_disk
+
 from common.atomic import read_json, write_json
 from common.errors import PipelineError
 
@@ -83,8 +85,6 @@ def check_prepared_target(report: PrepareReport, folder: str | Path, target: str
 
 def load_prepared(folder: str | Path):
     """(datasets.Dataset, PrepareReport) of a prepared folder, validated; errors name the folder."""
-    from datasets import load_from_disk
-
     folder = Path(folder)
     if not folder.is_dir():
         raise PipelineError(f"prepared dataset {folder}: no such folder (run 01_prepare_data.py first)")

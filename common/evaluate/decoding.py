@@ -17,7 +17,7 @@ The target's auxiliary states come from forward hooks on its decoder layers
 (`common.hidden_states.capture.capture_layers`, shared with step 02), never from all N+1 hidden states.
 
 Greedy (temperature 0): the emitted tokens are exactly the target's greedy continuation (what
-makes speculative decoding lossless); `greedy_generate` is the plain reference. Sampling
+makes speculative decoding lossless); `plain_generate` at temperature 0 is the plain reference. Sampling
 (temperature > 0, top-p): the draft samples its chain from its own distribution q and the
 target accepts each token with probability min(1, p/q), resampling from normalised max(0, p - q)
 at the first rejection (`accept_sampled`), so the emitted tokens follow the target's sampling
@@ -36,16 +36,15 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 
 __all__ = [
     "aux_states", "SamplingParams", "Proposal", "accept_greedy", "accept_sampled", "NgramProposer",
-    "ngram_lookup", "DraftProposer", "Generation", "SpeculativeStats", "plain_generate", "greedy_generate",
-    "speculative_generate", "stop_token_ids", "input_device", "longest_run", "distinct_ratio",
+    "ngram_lookup", "DraftProposer", "Generation", "SpeculativeStats", "plain_generate",
+    "speculative_generate", "input_device", "longest_run", "distinct_ratio",
 ]
 
 INFERENCE_ATTENTION = "sdpa"
@@ -54,21 +53,6 @@ INFERENCE_ATTENTION = "sdpa"
 def input_device(model: torch.nn.Module) -> torch.device:
     """Where input ids must go (the embedding's device; differs from others under device_map auto)."""
     return model.get_input_embeddings().weight.device
-
-
-def stop_token_ids(target_path: str | Path, text_config) -> set[int]:
-    """End-of-sequence ids of a target: its text config's eos plus generation_config.json's (Kimi-K2.5
-    ends a turn with `<|im_end|>`, which only the generation config names)."""
-    ids: set[int] = set()
-
-    def add(value) -> None:
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-
-    add(getattr(text_config, "eos_token_id", None))
-    if (Path(target_path) / "generation_config.json").is_file():
-        add(GenerationConfig.from_pretrained(target_path).eos_token_id)
-    return ids
 
 
 def aux_states(captured: dict[int, torch.Tensor], layer_ids: list[int], device: torch.device) -> torch.Tensor:
@@ -336,12 +320,6 @@ def plain_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: i
             if _finish(result.tokens, [token], max_new_tokens, stop_ids):
                 return result
             ids = torch.tensor([[token]], device=device)
-
-
-def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: int,
-                    stop_ids: set[int]) -> Generation:
-    """Plain greedy decoding of the target alone (the lossless reference)."""
-    return plain_generate(target, prompt, max_new_tokens, stop_ids)
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training
 
 __all__ = [
     "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "training_seq_len", "Prompt",
-    "select_prompts", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain", "measure_greedy",
+    "select_prompts", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain",
     "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "DraftReport", "summary_table",
     "gap_notes", "write_report", "no_speculation",
 ]
@@ -250,12 +250,6 @@ def measure_plain(target: torch.nn.Module, prompts: list[Prompt], max_new_tokens
     desc = "greedy" if sampling.greedy else "sampling"
     return [plain_generate(target, p.ids, max_new_tokens, stop_ids, sampling, _generator(seed, p))
             for p in tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress)]
-
-
-def measure_greedy(target: torch.nn.Module, prompts: list[Prompt], max_new_tokens: int, stop_ids: set[int],
-                   show_progress: bool = True) -> list[Generation]:
-    """Plain greedy decoding of the target alone, per prompt."""
-    return measure_plain(target, prompts, max_new_tokens, stop_ids, show_progress=show_progress)
 
 
 def measure_proposer(target: torch.nn.Module, proposer, layer_ids: list[int], prompts: list[Prompt],

@@ -23,14 +23,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow.compute as pc
 import torch
 from tqdm import tqdm
 
 from common.errors import PipelineError
 from common.hidden_states.files import NUM_STATES, Journal, ids_digest, save_sample
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
-from common.target.config import TargetInfo
-from common.target.model import decoder_parts, load_text_model
+from common.target.model import decoder_parts
 
 WRITE_THREADS = 4  # file writes overlap the next forward pass
 MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten samples
@@ -53,8 +53,6 @@ def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 def check_token_ids(ds, num_rows: int, vocab_size: int) -> list[int]:
     """Lengths of the first `num_rows` rows; refuse ids outside the target's vocabulary (data
     prepared with another tokenizer), naming the first such sample."""
-    import pyarrow.compute as pc
-
     table = ds.with_format("arrow")[:num_rows]
     ids = table.column("input_ids")
     bounds = pc.min_max(pc.list_flatten(ids)).as_py()
@@ -299,7 +297,6 @@ def estimate_bytes(tokens: int, samples: int, hidden_size: int,
 @dataclass
 class Verification:
     """Stored states against a plain forward of the target (`output_hidden_states=True`)."""
-
     tokens: int
     max_logit_diff: float  # |lm_head(stored final state) - the target's own logits|
     argmax_agreement: float  # share of positions where both pick the same token

@@ -49,7 +49,6 @@ from common.target.config import TargetInfo
 FORMAT_VERSION = 1
 DATA_FORMAT = "speculators-v1"
 LAST_STATE = "post_norm"  # the final state is the input of lm_head (HF hidden_states[N])
-STORE_DTYPE = STORAGES[DEFAULT_STORAGE].dtype  # the default storage's dtype
 NUM_STATES = 4  # three auxiliary layers, then the final state
 FILES_PER_FOLDER = 10_000
 DATA_CONFIG = "data_config.json"

@@ -136,6 +136,6 @@ def standardize_fp8(data: dict[str, Any]) -> dict[str, Any]:
 
 def standardize_fn(storage: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """What 04 and 05 pass to the library's dataset for a folder of this storage."""
-    from speculators.train.data import standardize_data_v1
+    from speculators.train.data import standardize_data_v1  # imported late: 02 never needs speculators
 
     return standardize_fp8 if get_storage(storage).scaled else standardize_data_v1

@@ -12,12 +12,16 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from common.errors import PipelineError
 from common.regenerate.run import Completion, Engine, RegenerateOptions
+from common.runtime import Runtime
+from common.target.config import TargetInfo
+from common.target.model import load_text_model
+from common.vllm.client import EngineSettings, VllmWorker
 
 __all__ = ["HfEngine", "VllmGenerateEngine", "VllmServerEngine", "open_engine"]
 REQUEST_TIMEOUT = 3600  # seconds for one completion (a long thinking answer on a busy server)
@@ -40,8 +44,6 @@ class HfEngine:
         self.temperature, self.top_p = temperature, top_p
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[Completion]:
-        from transformers import GenerationConfig
-
         sampled = self.temperature > 0
         config = GenerationConfig(
             max_new_tokens=max_new_tokens, eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id,
@@ -122,29 +124,19 @@ class VllmServerEngine:
 
 
 @contextmanager
-def open_engine(options: RegenerateOptions, tokenizer, trust_remote_code: bool, device: str, dtype: torch.dtype,
-                vllm_python: Path | None, tensor_parallel_size: int, vllm_url: str | None = None,
+def open_engine(options: RegenerateOptions, tokenizer, info: TargetInfo, trust_remote_code: bool, runtime: Runtime,
                 max_in_flight: int = 256) -> Iterator[Engine]:
-    """The engine of `options.engine`, loaded once and closed on leaving."""
-    from common.evaluate.decoding import stop_token_ids
-    from common.target.config import load_target_info
-
-    info = load_target_info(options.target, trust_remote_code)
-    stop_ids = stop_token_ids(info.path, info.text_config)
-    if options.engine == "vllm" and vllm_url:
-        yield VllmServerEngine(vllm_url, stop_ids, options.temperature, options.top_p, max_in_flight)
+    """The engine `runtime` names, loaded once and closed on leaving."""
+    if runtime.vllm_url:
+        yield VllmServerEngine(runtime.vllm_url, set(info.stop_ids), options.temperature, options.top_p, max_in_flight)
         return
-    if options.engine == "vllm":
-        from common.vllm.client import EngineSettings, VllmWorker, check_vllm_python
-
+    if runtime.vllm:
         settings = EngineSettings.for_target(info, options.max_prompt_len + options.max_new_tokens,
-                                             trust_remote_code, tensor_parallel_size)
-        with VllmWorker(check_vllm_python(vllm_python), settings) as worker:
+                                             trust_remote_code, runtime.tensor_parallel_size, runtime.vllm_dtype)
+        with VllmWorker(runtime.vllm_python, settings) as worker:
             print(f"vLLM {worker.version} started in {worker.start_seconds:.1f}s")
-            yield VllmGenerateEngine(worker, stop_ids, options.temperature, options.top_p)
+            yield VllmGenerateEngine(worker, set(info.stop_ids), options.temperature, options.top_p)
         return
-    from common.target.model import load_text_model
-
-    model = load_text_model(info, dtype, device, None, logits=True)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
-    yield HfEngine(model, stop_ids, pad_id, options.temperature, options.top_p, options.batch_size)
+    model = load_text_model(info, runtime.dtype, runtime.device, None, logits=True)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(info.stop_ids)
+    yield HfEngine(model, set(info.stop_ids), pad_id, options.temperature, options.top_p, options.batch_size)

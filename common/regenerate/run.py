@@ -45,7 +45,7 @@ from common.errors import PipelineError
 from common.regenerate.assistant_output import THINK_OPEN, MalformedToolCall, parse_assistant_text
 
 __all__ = [
-    "RegenerateOptions", "Completion", "Engine", "sampling_defaults", "regenerate", "part_name",
+    "RegenerateOptions", "Completion", "Engine", "regenerate", "part_name",
     "report_name", "summary_lines", "JOURNAL_DIR", "TurnRegenerator", "PartStats",
 ]
 
@@ -100,16 +100,6 @@ class RegenerateOptions:
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
         out["inputs"] = [str(p) for p in self.inputs]
         return out
-
-
-def sampling_defaults(target: Path) -> tuple[float, float]:
-    """(temperature, top_p) of the target's generation_config.json; without a temperature there
-    (or with do_sample false) decoding is greedy, as transformers' own default."""
-    path = Path(target) / "generation_config.json"
-    config = read_json(path) if path.is_file() else {}
-    if config.get("do_sample") is False or config.get("temperature") is None:
-        return 0.0, 1.0
-    return float(config["temperature"]), float(config.get("top_p", 1.0))
 
 
 # --- engines ----------------------------------------------------------------------------------

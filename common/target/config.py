@@ -22,11 +22,10 @@ from common.errors import PipelineError
 NESTED_PREFIX = "language_model."
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
 REQUIRED_TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
 # transformers class of a nested text config by its model_type, where the config names none
 TEXT_ARCHITECTURES = {"kimi_k2": "DeepseekV3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-# --dtype of the stages that run the target (00, 02, 05)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class TargetError(PipelineError, ValueError):
@@ -49,6 +48,12 @@ class TargetInfo:
     weight_prefix: str  # "language_model." for a nested checkpoint, "" for a flat one
     text_config: PretrainedConfig
     quantization_config: dict | None = None  # compressed-tensors config (Kimi-K2.5: INT4 routed experts)
+    # From generation_config.json, read with the config: the ids that end a generation (Kimi-K2.5 ends
+    # a turn with `<|im_end|>`, which only the generation config names) and the sampling defaults
+    # (without a temperature there, or with do_sample false, decoding is greedy: transformers' default).
+    stop_ids: frozenset[int] = frozenset()
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     @property
     def nested(self) -> bool:
@@ -88,7 +93,11 @@ def load_text_config(path: str | Path, trust_remote_code: bool = False) -> tuple
 
 
 def load_target_info(path: str | Path, trust_remote_code: bool = False) -> TargetInfo:
+    """Everything the stages need to know about the target at `path`, read once from its config
+    files (no weights)."""
     config, text = load_text_config(path, trust_remote_code)
+    generation = _generation_config(Path(path))
+    sampled = generation.get("do_sample") is not False and generation.get("temperature") is not None
     nested = text is not config
     archs = getattr(config, "architectures", None) or [type(config).__name__]
     text_archs = getattr(text, "architectures", None) or archs
@@ -110,7 +119,27 @@ def load_target_info(path: str | Path, trust_remote_code: bool = False) -> Targe
         weight_prefix=NESTED_PREFIX if nested else "",
         text_config=text,
         quantization_config=_quantization_dict(text) or _quantization_dict(config),
+        stop_ids=frozenset(_ids(getattr(text, "eos_token_id", None)) | _ids(generation.get("eos_token_id"))),
+        temperature=float(generation["temperature"]) if sampled else 0.0,
+        top_p=float(generation.get("top_p", 1.0)) if sampled else 1.0,
     )
+
+
+def _generation_config(path: Path) -> dict:
+    file = path / GENERATION_CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TargetError(f"target {path}: cannot read {GENERATION_CONFIG}: {e}") from e
+    if not isinstance(data, dict):
+        raise TargetError(f"target {path}: {GENERATION_CONFIG} is not a JSON object")
+    return data
+
+
+def _ids(value: int | list[int] | None) -> set[int]:
+    return set() if value is None else {value} if isinstance(value, int) else set(value)
 
 
 def _text_architecture(path: str | Path, text: PretrainedConfig) -> str:

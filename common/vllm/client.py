@@ -8,54 +8,34 @@ This is the engine users serve with, started and stopped by the stage; a remote 
 used because extraction needs the hidden-state connector configured at engine start and writes
 on the engine's disk, and 05 needs one engine per configuration (plain, each draft).
 
-Two uses, each behind the same shape as the HF path it replaces:
-- `VllmStateExtractor`: a drop-in for `StateExtractor` in 02 (same batches, files, resume,
-  sharding); vLLM hands back the last layer before the final norm, which is applied here.
-- `measure_with_vllm`: 05's served acceptance length per draft, from vLLM's counters.
+Each stage keeps its own adapter over `VllmWorker`: 00's generation engine
+(common/regenerate/engines.py), 02's state extractor (common/hidden_states/vllm_states.py) and
+05's served acceptance length (common/evaluate/served.py).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import torch
-from safetensors.torch import load_file
 
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.errors import PipelineError
-from common.hidden_states.storage import StateStorage, StoredStates
-from common.target.config import TargetInfo, read_tensors, weight_map
+from common.target.config import TargetInfo
 
 MIN_VLLM = (0, 32)  # extract_hidden_states with the hidden-state connector, as used here
 CPU_KV_CACHE_BYTES = 1 << 30  # on a CPU host vLLM would otherwise reserve 92% of the host's memory
-START_TIMEOUT = 900  # seconds for an engine to load (a 1T target on 8 GPUs takes minutes)
 GENERIC_ERRORS = ("Engine core initialization failed", "WorkerProc initialization failed", "WorkerProc failed")
 
-__all__ = ["add_engine_args", "EngineSettings", "VllmWorker", "VllmStateExtractor", "final_norm_of",
-           "VllmMeasured", "measure_with_vllm", "engine_table"]
-
-
-def add_engine_args(parser, what: str) -> None:
-    """`--engine`, `--vllm-python`, `--tensor-parallel-size` for a stage."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                       help=f"{what} with transformers (hf, default) or with vLLM from its own environment")
-    group.add_argument("--vllm-python", type=Path, default=None,
-                       help=f"python of the vLLM environment (default: {DEFAULT_VLLM_PYTHON.relative_to(REPO_ROOT)}, "
-                            "made by scripts/setup_vllm_env.sh)")
-    group.add_argument("--tensor-parallel-size", type=int, default=1,
-                       help="vLLM: GPUs one engine spreads the target over (8 for Kimi-K2.5 on one host)")
+__all__ = ["check_vllm_python", "EngineSettings", "VllmWorker"]
 
 
 # --- the environment and the worker process -------------------------------------------------
@@ -106,9 +86,10 @@ class EngineSettings:
 
     @classmethod
     def for_target(cls, info: TargetInfo, max_model_len: int, trust_remote_code: bool,
-                   tensor_parallel_size: int = 1) -> EngineSettings:
+                   tensor_parallel_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> EngineSettings:
         return cls(model=info.path, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
-                   language_model_only=info.nested, tensor_parallel_size=tensor_parallel_size)
+                   language_model_only=info.nested, tensor_parallel_size=tensor_parallel_size,
+                   dtype=str(dtype).removeprefix("torch."))
 
     def as_json(self) -> str:
         data = dict(self.__dict__)
@@ -193,174 +174,3 @@ def _log_cause(log: Path) -> str | None:
         if match and not any(g in match.group(0) for g in GENERIC_ERRORS):
             found = match.group(0).strip()
     return found
-
-
-# --- 02: hidden states -----------------------------------------------------------------------
-
-
-def final_norm_of(info: TargetInfo) -> tuple[torch.Tensor, float]:
-    """(weight, eps) of the target's final RMSNorm, read from its checkpoint."""
-    names = [n for n in weight_map(info.path) if n.endswith("model.norm.weight") and "vision" not in n]
-    if len(names) != 1:
-        raise PipelineError(f"target {info.path}: cannot tell its final norm among {names or 'no'} "
-                            "`*model.norm.weight` tensors; use --engine hf")
-    eps = getattr(info.text_config, "rms_norm_eps", None) or getattr(info.text_config, "layer_norm_epsilon", 1e-6)
-    return read_tensors(info.path, names)[names[0]].float(), float(eps)
-
-
-def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The target's final norm in fp32 (as transformers computes it)."""
-    x = states.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-class VllmStateExtractor:
-    """The four states of each sample from vLLM: auxiliary layers `layer_ids` and layer N
-    (pre-norm, vLLM's last layer output), to which the target's final norm is applied so the
-    files hold the same post-norm final state as the HF engine's."""
-
-    def __init__(self, worker: VllmWorker, layer_ids: list[int], norm: tuple[torch.Tensor, float],
-                 storage: StateStorage) -> None:
-        self.worker = worker
-        self.layer_ids = layer_ids
-        self.norm_weight, self.eps = norm
-        self.storage = storage
-        self.forward_seconds = 0.0
-
-    def __call__(self, id_lists: list[list[int]]) -> list[StoredStates]:
-        start = time.perf_counter()
-        files = self.worker.request({"op": "extract", "prompts": id_lists}, "hidden-state extraction")["files"]
-        self.forward_seconds += time.perf_counter() - start
-        return [self._read(Path(path), ids) for path, ids in zip(files, id_lists)]
-
-    def _read(self, path: Path, ids: list[int]) -> StoredStates:
-        with _written(path) as data:
-            states, token_ids = data["hidden_states"], data["token_ids"]
-        if token_ids.tolist() != list(ids) or states.shape[:2] != (len(ids), len(self.layer_ids) + 1):
-            raise PipelineError(f"vLLM wrote {path} for {token_ids.numel()} tokens and states "
-                                f"{tuple(states.shape)}, expected {len(ids)} tokens x {len(self.layer_ids) + 1} layers")
-        aux = [states[:, j].contiguous() for j in range(len(self.layer_ids))]
-        final = rms_norm(states[:, -1], self.norm_weight, self.eps)
-        return StoredStates(*self.storage.encode([*aux, final]))
-
-
-@contextmanager
-def _written(path: Path) -> Iterator[dict[str, torch.Tensor]]:
-    """A connector file once its writer has released the lock; both files are removed after."""
-    lock = Path(f"{path}.lock")
-    try:
-        if lock.exists():
-            with lock.open() as handle:
-                fcntl.flock(handle, fcntl.LOCK_SH)  # sleeps until the writer thread is done
-        yield load_file(str(path), device="cpu")
-    finally:
-        path.unlink(missing_ok=True)
-        lock.unlink(missing_ok=True)
-
-
-# --- 05: served acceptance length ------------------------------------------------------------
-
-
-@dataclass
-class VllmMeasured:
-    """One engine run over the prompts: outputs and the spec-decode counters it reported."""
-
-    outputs: list[list[int]]
-    seconds: float
-    drafts: int = 0  # vllm:spec_decode_num_drafts (verification passes that carried drafts)
-    draft_tokens: int = 0
-    accepted: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    mismatched: list[str] = field(default_factory=list)  # sample ids whose output differs from plain vLLM
-
-    @property
-    def acceptance_length(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else float("nan")
-
-    @property
-    def acceptance_rate_per_position(self) -> list[float]:
-        return [n / self.drafts if self.drafts else float("nan") for n in self.accepted_per_pos]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return sum(map(len, self.outputs)) / self.seconds if self.seconds else float("nan")
-
-    def figures(self) -> dict[str, Any]:
-        return {"measured_acceptance_length": _finite(self.acceptance_length),
-                "acceptance_rate_per_position": [_finite(r) for r in self.acceptance_rate_per_position],
-                "identical_to_greedy": not self.mismatched, "mismatched_samples": self.mismatched,
-                "num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
-                "num_accepted_tokens": self.accepted, "num_accepted_tokens_per_pos": self.accepted_per_pos,
-                "tokens_per_second": _finite(self.tokens_per_second), "outputs": self.outputs}
-
-
-def _finite(x: float) -> float | None:
-    return None if x != x else round(float(x), 6)
-
-
-def _run(python: Path, settings: EngineSettings, prompts: list[list[int]], max_new_tokens: int,
-         stop_ids: set[int]) -> VllmMeasured:
-    with VllmWorker(python, settings) as worker:
-        answer = worker.request({"op": "generate", "prompts": prompts, "max_tokens": max_new_tokens,
-                                 "stop_ids": sorted(stop_ids)}, "generation")
-    counters = answer["counters"]
-    return VllmMeasured(outputs=answer["outputs"], seconds=answer["seconds"],
-                        drafts=counters["vllm:spec_decode_num_drafts"],
-                        draft_tokens=counters["vllm:spec_decode_num_draft_tokens"],
-                        accepted=counters["vllm:spec_decode_num_accepted_tokens"],
-                        accepted_per_pos=counters["vllm:spec_decode_num_accepted_tokens_per_pos"])
-
-
-def measure_with_vllm(python: Path, base: EngineSettings, prompts: list[tuple[str, list[int]]],
-                      drafts: dict[str, Path], k: int, max_new_tokens: int,
-                      stop_ids: set[int]) -> tuple[VllmMeasured, dict[str, VllmMeasured]]:
-    """Plain vLLM greedy decoding of (sample id, prompt ids), then each draft served with the
-    target: outputs compared token by token with the plain run (temperature 0)."""
-    ids = [p for _, p in prompts]
-    results = {}
-    for name, folder in drafts.items():  # drafts first: a draft vLLM refuses fails before the plain run
-        print(f"vLLM: decoding {len(ids)} prompts with {name} ({folder})", flush=True)
-        settings = EngineSettings(**{**base.__dict__, "draft": str(folder), "num_speculative_tokens": k})
-        results[name] = _run(python, settings, ids, max_new_tokens, stop_ids)
-        if results[name].drafts == 0:
-            raise PipelineError(f"vLLM served {name} {folder} but reported no drafts: speculative decoding did not run")
-    print(f"vLLM: decoding {len(ids)} prompts without speculation", flush=True)
-    plain = _run(python, base, ids, max_new_tokens, stop_ids)
-    for result in results.values():
-        result.mismatched = [sid for (sid, _), a, b in zip(prompts, result.outputs, plain.outputs) if a != b]
-    return plain, results
-
-
-def engine_table(names: list[str], own: dict[str, Any], served: dict[str, VllmMeasured],
-                 simulated: dict[str, float | None], k: int) -> str:
-    """05's own measurement, vLLM's and the simulated figure, one column per (draft, engine)."""
-    header = ["", *(f"{n} ({e})" for n in names for e in ("05", "vLLM"))]
-    rows: list[list[str]] = []
-
-    def cell(value) -> str:
-        if value is None or value != value:
-            return "-"
-        if isinstance(value, bool):
-            return "yes" if value else "NO"
-        return f"{value:.3f}" if isinstance(value, float) else f"{value:,}"
-
-    def row(label: str, mine, theirs) -> None:
-        rows.append([label, *(cell(v) for n in names for v in (mine(n), theirs(n)))])
-
-    row("acceptance length", lambda n: own[n].stats.acceptance_length if own.get(n) else None,
-        lambda n: served[n].acceptance_length)
-    for j in range(k):
-        row(f"  acceptance rate, draft {j + 1}",
-            lambda n, j=j: own[n].stats.acceptance_rate_per_position[j] if own.get(n) else None,
-            lambda n, j=j: served[n].acceptance_rate_per_position[j] if j < len(served[n].accepted_per_pos) else None)
-    row("verification passes", lambda n: own[n].stats.passes if own.get(n) else None, lambda n: served[n].drafts)
-    row("accepted tokens", lambda n: own[n].stats.accepted_total if own.get(n) else None,
-        lambda n: served[n].accepted)
-    row("identical to greedy", lambda n: own[n].identical_to_greedy if own.get(n) else None,
-        lambda n: not served[n].mismatched)
-    row("simulated acceptance length", lambda n: simulated.get(n), lambda n: None)
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in [header, *rows]]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)

@@ -68,7 +68,7 @@ def read_counters(llm) -> dict[str, Any]:
 
 
 def extract(llm, prompts: list[list[int]]) -> dict[str, Any]:
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM is imported once serve() has started it (see there)
 
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
@@ -76,7 +76,7 @@ def extract(llm, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int]) -> dict[str, Any]:
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM is imported once serve() has started it (see there)
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop_ids, ignore_eos=True,
                             detokenize=False)
@@ -88,7 +88,7 @@ def sample(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int], 
            seed: int) -> dict[str, Any]:
     """Step 00's generations: stopped at a stop id, sampled (temperature 0: greedy), request i seeded
     with seed + i; `stopped` False where the token limit cut it."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM is imported once serve() has started it (see there)
 
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i,
                              stop_token_ids=stop_ids, detokenize=False) for i in range(len(prompts))]
@@ -108,7 +108,7 @@ def first_line(error: BaseException) -> str:
 
 
 def serve(settings: dict[str, Any], channel: TextIO) -> None:
-    try:
+    try:  # imported here, not at the top, so that a broken vLLM install is answered over the pipe
         import vllm
         from vllm import LLM
 

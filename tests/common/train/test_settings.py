@@ -21,7 +21,7 @@ def test_every_config_file_loads(path, kimi_target):
     config_file = read_config_file(path)
     settings, overrides = TrainSettings.resolve(config_file, {"lr": 0.5, "epochs": None})
     assert settings.lr == 0.5 and len(overrides) == 1 and "--lr 0.5 overrides" in overrides[0]
-    info = load_target_info(kimi_target)
+    info = load_target_info(kimi_target, trust_remote_code=True)
     info = replace(info, hidden_size=config_file.model.hidden_size)  # the shape of the target it is for
     config = speculator_config(config_file.model, info, config_file.model.draft_vocab_size or 32000, [2, 30, 58], 3)
     layer = config.transformer_layer_config

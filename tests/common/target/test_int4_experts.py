@@ -33,7 +33,7 @@ EXPERT = "language_model.model.layers.1.mlp.experts.3.down_proj"
 
 @pytest.fixture(scope="module")
 def int4_model(kimi_target):
-    return load_text_model(load_target_info(kimi_target))
+    return load_text_model(load_target_info(kimi_target, trust_remote_code=True))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def plain_model(kimi_target):
     from transformers import DeepseekV3ForCausalLM
 
     with init_empty_weights():
-        return DeepseekV3ForCausalLM._from_config(load_target_info(kimi_target).text_config)
+        return DeepseekV3ForCausalLM._from_config(load_target_info(kimi_target, trust_remote_code=True).text_config)
 
 
 def packed_names(model: torch.nn.Module) -> set[str]:
@@ -154,7 +154,7 @@ def test_forward_equals_the_model_with_experts_dequantized_to_fp32(int4_model):
 
 
 def test_patch_reads_unquantized_embeddings_and_lm_head(kimi_target):
-    info = load_target_info(kimi_target)
+    info = load_target_info(kimi_target, trust_remote_code=True)
     embed, head = find_weight_keys(kimi_target, info.weight_prefix)
     tensors = read_tensors(kimi_target, [embed, head])
     assert tensors[head].shape == (info.vocab_size, info.hidden_size) and tensors[head].dtype == torch.bfloat16
@@ -180,8 +180,8 @@ def _broken_copy(src: Path, dst: Path, key: str, value: torch.Tensor | None) -> 
     ("weight_shape", rf"{EXPERT}.weight_shape: weight_shape \[64, 64\]"),
     ("group_size", rf"{EXPERT}.weight_scale: shape \[64, 2\], expected \[64, 1\].*group size of 16, "
                    "the quantization_config says 32"),
-    ("missing_shard", rf"shard model-0000\d-of-00004.safetensors named in model.safetensors.index.json is missing "
-                      rf"\(it holds "),
+    ("missing_shard", r"shard model-0000\d-of-00004.safetensors named in model.safetensors.index.json is missing "
+                      r"\(it holds "),
 ])
 def test_malformed_int4_checkpoints_name_the_tensor(kimi_target, tmp_path, case, message):
     param = {"weight_shape": "weight_shape", "packed_dtype": "weight_packed"}.get(case, "weight_scale")
@@ -195,7 +195,7 @@ def test_malformed_int4_checkpoints_name_the_tensor(kimi_target, tmp_path, case,
              "missing_shard": lambda: None}[case]()
     broken = _broken_copy(kimi_target, tmp_path / case, key, value)
     with pytest.raises(TargetError, match=message):
-        load_text_model(load_target_info(broken))
+        load_text_model(load_target_info(broken, trust_remote_code=True))
 
 
 def test_config_and_checkpoint_that_disagree_are_refused(kimi_target, tmp_path):
@@ -208,7 +208,7 @@ def test_config_and_checkpoint_that_disagree_are_refused(kimi_target, tmp_path):
     with pytest.raises(TargetError, match=r"missing \['model.layers.1.mlp.experts.0.down_proj.weight'.*"
                                           r"unexpected \['model.layers.1.mlp.experts.0.down_proj.weight_packed'.*"
                                           r"compressed-tensors packed weights .*missing from config.json"):
-        load_text_model(load_target_info(broken))
+        load_text_model(load_target_info(broken, trust_remote_code=True))
 
 
 def test_bf16_variant_has_the_same_weights_before_quantization(kimi_target):

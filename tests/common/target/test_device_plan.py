@@ -27,7 +27,7 @@ GPUS = [f"cuda:{i}" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def meta_model(kimi_target):
-    return empty_text_model(load_target_info(kimi_target), torch.bfloat16)
+    return empty_text_model(load_target_info(kimi_target, trust_remote_code=True), torch.bfloat16)
 
 
 def test_sizes_and_budgets_parse():
@@ -86,7 +86,7 @@ def test_a_target_that_does_not_fit_is_refused_with_needed_and_available():
 
 
 def test_headroom_grows_with_batch_tokens_and_logits(kimi_target):
-    config = load_target_info(kimi_target).text_config
+    config = load_target_info(kimi_target, trust_remote_code=True).text_config
     small, large = (activation_headroom(config, n, torch.bfloat16) for n in (1024, 8192))
     transient = 2 * 3 * config.moe_intermediate_size * config.hidden_size * 2
     assert large - transient == pytest.approx(8 * (small - transient), rel=1e-6)
@@ -106,7 +106,7 @@ def test_flags_are_checked_before_any_work(monkeypatch):
 def test_loader_refuses_device_map_auto_without_gpus(kimi_target, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DevicePlanError, match="no GPU is visible"):
-        load_text_model(load_target_info(kimi_target), dtype=torch.bfloat16, device_map="auto")
+        load_text_model(load_target_info(kimi_target, trust_remote_code=True), dtype=torch.bfloat16, device_map="auto")
 
 
 @pytest.mark.slow

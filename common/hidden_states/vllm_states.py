@@ -1,0 +1,80 @@
+"""02's `--engine vllm`: `VllmStateExtractor`, a drop-in for `StateExtractor` (same batches, files,
+resume, sharding) over a vLLM worker (common/vllm/client.py). vLLM hands back the last layer before
+the final norm, which is applied here in fp32, as transformers computes it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from common.errors import PipelineError
+from common.hidden_states.storage import StateStorage, StoredStates
+from common.target.config import TargetInfo, read_tensors, weight_map
+from common.vllm.client import VllmWorker
+
+
+def final_norm_of(info: TargetInfo) -> tuple[torch.Tensor, float]:
+    """(weight, eps) of the target's final RMSNorm, read from its checkpoint."""
+    names = [n for n in weight_map(info.path) if n.endswith("model.norm.weight") and "vision" not in n]
+    if len(names) != 1:
+        raise PipelineError(f"target {info.path}: cannot tell its final norm among {names or 'no'} "
+                            "`*model.norm.weight` tensors; use --engine hf")
+    eps = getattr(info.text_config, "rms_norm_eps", None) or getattr(info.text_config, "layer_norm_epsilon", 1e-6)
+    return read_tensors(info.path, names)[names[0]].float(), float(eps)
+
+
+def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's final norm in fp32 (as transformers computes it)."""
+    x = states.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class VllmStateExtractor:
+    """The four states of each sample from vLLM: auxiliary layers `layer_ids` and layer N
+    (pre-norm, vLLM's last layer output), to which the target's final norm is applied so the
+    files hold the same post-norm final state as the HF engine's."""
+
+    def __init__(self, worker: VllmWorker, layer_ids: list[int], norm: tuple[torch.Tensor, float],
+                 storage: StateStorage) -> None:
+        self.worker = worker
+        self.layer_ids = layer_ids
+        self.norm_weight, self.eps = norm
+        self.storage = storage
+        self.forward_seconds = 0.0
+
+    def __call__(self, id_lists: list[list[int]]) -> list[StoredStates]:
+        start = time.perf_counter()
+        files = self.worker.request({"op": "extract", "prompts": id_lists}, "hidden-state extraction")["files"]
+        self.forward_seconds += time.perf_counter() - start
+        return [self._read(Path(path), ids) for path, ids in zip(files, id_lists)]
+
+    def _read(self, path: Path, ids: list[int]) -> StoredStates:
+        with _written(path) as data:
+            states, token_ids = data["hidden_states"], data["token_ids"]
+        if token_ids.tolist() != list(ids) or states.shape[:2] != (len(ids), len(self.layer_ids) + 1):
+            raise PipelineError(f"vLLM wrote {path} for {token_ids.numel()} tokens and states "
+                                f"{tuple(states.shape)}, expected {len(ids)} tokens x {len(self.layer_ids) + 1} layers")
+        aux = [states[:, j].contiguous() for j in range(len(self.layer_ids))]
+        final = rms_norm(states[:, -1], self.norm_weight, self.eps)
+        return StoredStates(*self.storage.encode([*aux, final]))
+
+
+@contextmanager
+def _written(path: Path) -> Iterator[dict[str, torch.Tensor]]:
+    """A connector file once its writer has released the lock; both files are removed after."""
+    lock = Path(f"{path}.lock")
+    try:
+        if lock.exists():
+            with lock.open() as handle:
+                fcntl.flock(handle, fcntl.LOCK_SH)  # sleeps until the writer thread is done
+        yield load_file(str(path), device="cpu")
+    finally:
+        path.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
