@@ -42,11 +42,17 @@ def test_int4_experts_are_refused_on_a_cpu_only(infos):
 
 def test_an_mla_target_with_a_draft_needs_amx_on_a_cpu(infos, monkeypatch):
     with_amx(monkeypatch, False)
-    with pytest.raises(PipelineError, match=f"with draft {DRAFT}: .*MLA.*block size 16.*multiple of 32.*GPU host"):
+    with pytest.raises(PipelineError, match=f"with draft {DRAFT}: .*MLA.*block size 16.*multiple of 32.*GPU host.*VLLM_MLA_DISABLE=1"):
         check_servable(infos["kimi-bf16"], "cpu", DRAFT)
     check_servable(infos["kimi-bf16"], "cpu")  # served alone (00, 02's extraction): one backend, no conflict
     check_servable(infos["kimi-bf16"], "cuda", DRAFT)
     with_amx(monkeypatch, True)  # vLLM picks AMX_MLA, whose block sizes are multiples of 32
+    check_servable(infos["kimi-bf16"], "cpu", DRAFT)
+
+
+def test_vllm_mla_disable_lets_a_draft_be_served_on_any_cpu(infos, monkeypatch):
+    with_amx(monkeypatch, False)
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")  # the target's attention is then CPU_ATTN as well
     check_servable(infos["kimi-bf16"], "cpu", DRAFT)
 
 
