@@ -120,7 +120,7 @@ def assert_same_turns(hf: list[dict], served: list[dict]) -> None:
     assistant turns but for rounding ties (vLLM's CPU kernels and transformers' round differently, so
     a near-tie may break the other way): at most one turn in ten may differ."""
     assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
-    turns = [(a, b) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
+    turns = [(a, b) for x, y in zip(hf, served, strict=True) for a, b in zip(x["messages"], y["messages"])
              if a["role"] == "assistant"]
     differ = [(a, b) for a, b in turns if a != b]
     assert len(differ) <= len(turns) // 10, differ

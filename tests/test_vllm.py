@@ -68,7 +68,7 @@ def assert_same_files(out: Path, reference: Path, count: int) -> dict[str, tuple
         b = theirs[name]
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"]), name
         assert len(a["hidden_states"]) == len(b["hidden_states"]) == 4, name
-        for x, y in zip(a["hidden_states"], b["hidden_states"]):
+        for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True):
             assert x.dtype == torch.bfloat16 and x.shape == y.shape, name
     for key in ("layer_ids", "num_layers", "last_state", "sample_count", "token_count"):
         assert json.loads((out / "data_config.json").read_text())[key] == \
@@ -83,9 +83,9 @@ def test_vllm_states_equal_hf_states(flat_run, flat_target):
     out = flat_run / "hidden_states_vllm"
     proc = run_script("02_extract_hidden_states.py", "--run-dir", flat_run, "--target", flat_target,
                       "--output", out, "--engine", "vllm", env=ENV)
-    assert "compute bfloat16 on vLLM" in proc.stdout
+    assert "compute on vLLM (own engine, bfloat16)" in proc.stdout
     for name, (ours, theirs) in assert_same_files(out, flat_run / "hidden_states", 12).items():
-        for a, b in zip(ours["hidden_states"], theirs["hidden_states"]):
+        for a, b in zip(ours["hidden_states"], theirs["hidden_states"], strict=True):
             # HF computes in fp32 here, vLLM in bf16 through 8 layers: a few bf16 steps (2^-8) of the
             # largest value. A pre-norm final state (the norm forgotten) is off by far more.
             assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) < 0.02, name
@@ -192,7 +192,7 @@ def test_vllm_states_of_the_kimi_miniature_within_hfs_own_bf16_spread(kimi_state
     out = kimi_states / "hidden_states_vllm"
     proc = run_script("02_extract_hidden_states.py", "--run-dir", kimi_states, "--target", kimi_bf16_target,
                       "--trust-remote-code", "--output", out, "--engine", "vllm", env=ENV)
-    assert "compute bfloat16 on vLLM" in proc.stdout
+    assert "compute on vLLM (own engine, bfloat16)" in proc.stdout
     exact = kimi_states / "hidden_states"
     served = assert_same_files(out, exact, KIMI_SAMPLES)
     hf_bf16 = assert_same_files(kimi_states / "hf_bf16", exact, KIMI_SAMPLES)
