@@ -5,11 +5,13 @@ without AMX tiles), by the decision vLLM's own backend selection makes; what it 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.defaults import REPO_ROOT
 from common.errors import PipelineError
 from common.target.config import load_target_info
 from common.vllm.client import EngineSettings, VllmWorker, check_servable
@@ -70,3 +72,11 @@ def test_the_worker_checks_before_starting_anything(infos, monkeypatch, tmp_path
     with pytest.raises(PipelineError, match="no common block size"):
         VllmWorker(tmp_path / "no-python", settings)
     assert "target" not in json.loads(settings.as_json())  # the worker gets engine arguments only
+
+
+@pytest.mark.vllm
+def test_worker_and_connector_import_in_the_vllm_environment(vllm_python):
+    """The two modules that run inside .venv-vllm (transformers 5.x, no training stack) import there."""
+    probe = subprocess.run([str(vllm_python), "-c", "import common.vllm.worker, common.vllm.cpu_connector; print('ok')"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert probe.stdout.strip().splitlines()[-1:] == ["ok"], probe.stderr[-2000:]
