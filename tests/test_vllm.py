@@ -161,10 +161,11 @@ COSINE_FLOOR = 0.99
 # trained miniature), so the bound is on the distribution: vLLM's bf16 states may sit at most SPREAD_FACTOR
 # times as far from HF's fp32 states as HF's own bf16 states do (median relative L2 per token, share of
 # tokens with cosine < COSINE_FLOOR). Two bf16 engines round differently, HF bf16 is not the exact answer
-# either: measured ratios 1.08 (median) and 1.36 (cosine share) on the final state. A forgotten final norm,
-# a wrong layer or misaligned tokens put the median near 1, far beyond any factor of a 1% spread.
+# either. Measured on 12 samples (2,352 tokens), vLLM vs HF bf16: median 0.0055 vs 0.0091 on the final
+# state (0.0035-0.0039 vs 0.0049-0.0066 on the auxiliary ones), cosine share 0.60% vs 0.51% (0.04-0.30%
+# vs 0.04-0.21%). A forgotten final norm, a wrong layer or misaligned tokens put the median near 1.
 SPREAD_FACTOR = 2.0
-SHARE_SLACK = 0.005  # a few tokens of the ~3,800 more or less below the floor: counting noise, not drift
+SHARE_SLACK = 0.005  # about 12 of the 2,352 tokens more or less below the floor: counting noise, not drift
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +207,13 @@ def test_vllm_states_of_the_kimi_miniature_within_hfs_own_bf16_spread(kimi_state
         assert vllm_share <= SPREAD_FACTOR * hf_share + SHARE_SLACK, state
 
 
+# HF and vLLM both in bf16 on the Kimi miniature: its weakly trained LM has many near-ties (digits:
+# "(2 x 2/h)" vs "(2 x 4/h)"), and MLA's absorbed kernels round otherwise than transformers' MLA, so 3 of
+# 14 turns differed, through the worker and `vllm serve` alike; a third may. An engine computing something
+# else differs in nearly every turn. The worker and the server run the same kernels: equal to the token.
+KIMI_MAX_DIFFERING = 1 / 3
+
+
 @pytest.fixture(scope="module")
 def kimi_hf_turns(tmp_path_factory, kimi_bf16_target, vllm_python) -> list[dict]:
     """00 on the kimi-bf16 miniature with the HF engine in bf16, greedy."""
@@ -214,24 +222,32 @@ def kimi_hf_turns(tmp_path_factory, kimi_bf16_target, vllm_python) -> list[dict]
     return read_regenerated(out)
 
 
-@pytest.mark.slow
-def test_00_on_the_kimi_miniature_regenerates_what_the_hf_engine_does(kimi_bf16_target, kimi_hf_turns, tmp_path):
-    run_script("00_regenerate.py", "--target", kimi_bf16_target, *KIMI_00, "--output", tmp_path, "--engine", "vllm",
+@pytest.fixture(scope="module")
+def kimi_vllm_turns(tmp_path_factory, kimi_bf16_target, vllm_python) -> list[dict]:
+    """00 on the kimi-bf16 miniature with --engine vllm (the worker), greedy."""
+    out = tmp_path_factory.mktemp("kimi_vllm_turns") / "out"
+    run_script("00_regenerate.py", "--target", kimi_bf16_target, *KIMI_00, "--output", out, "--engine", "vllm",
                env=ENV)
-    assert_same_turns(kimi_hf_turns, read_regenerated(tmp_path))
-    report = json.loads((tmp_path / "regenerate_report.json").read_text())
+    report = json.loads((out / "regenerate_report.json").read_text())
     assert report["settings"]["engine"] == "vllm" and report["generations"] >= 10
+    return read_regenerated(out)
 
 
 @pytest.mark.slow
-def test_00_through_vllm_serve_on_the_kimi_miniature(vllm_python, kimi_bf16_target, kimi_hf_turns, tmp_path):
+def test_00_on_the_kimi_miniature_regenerates_what_the_hf_engine_does(kimi_hf_turns, kimi_vllm_turns):
+    assert_same_turns(kimi_hf_turns, kimi_vllm_turns, KIMI_MAX_DIFFERING)
+
+
+@pytest.mark.slow
+def test_00_through_vllm_serve_on_the_kimi_miniature(vllm_python, kimi_bf16_target, kimi_vllm_turns, tmp_path):
     """What users run for Kimi-K2.5 (`vllm serve --trust-remote-code --language-model-only`, the
-    tokenizer initialised, so vLLM's Kimi-K2.5 class loads its image processor), 00 with --vllm-url."""
+    tokenizer initialised, so vLLM's Kimi-K2.5 class loads its image processor), 00 with --vllm-url:
+    the worker's conversations exactly."""
     with vllm_server(vllm_python, kimi_bf16_target, tmp_path / "serve.log", "--trust-remote-code",
                      "--language-model-only") as url:
         run_script("00_regenerate.py", "--target", kimi_bf16_target, *KIMI_00, "--output", tmp_path / "out",
                    "--engine", "vllm", "--vllm-url", url, "--max-in-flight", 4, env=ENV)
-    assert_same_turns(kimi_hf_turns, read_regenerated(tmp_path / "out"))
+    assert read_regenerated(tmp_path / "out") == kimi_vllm_turns
 
 
 def test_int4_experts_on_a_cpu_are_refused_before_the_engine(kimi_target, vllm_python, tmp_path):
