@@ -8,8 +8,8 @@ every attribute access (`m.get`, `loop.index0`) with `is_safe_attribute`, a chai
 tests that was a third of the rendering's time. For `ImmutableSandboxedEnvironment` that answer
 depends only on the object's type and the attribute's name (`is_internal_attribute` and
 `modifies_known_mutable` test the type only), so it is kept per (type, name); and a call of a
-built-in method (`m.get(...)`) skips `is_safe_callable`'s look-ups for markers a built-in cannot
-carry. The same accesses and calls are allowed and refused as before, and the output is the same. The template is compiled by
+built-in method (`m.get(...)`) skips the sandbox's and the context's look-ups for markers a
+built-in cannot carry. The same accesses and calls are allowed and refused as before, and the output is the same. The template is compiled by
 transformers (its filters, globals and extensions), then recompiled in an overlay of that
 environment, so transformers' own cached template is left untouched.
 
@@ -55,7 +55,7 @@ def _compiled(source: str) -> Template:
     environment = _compile_jinja_template(source).environment.overlay()
     if type(environment) is ImmutableSandboxedEnvironment:  # a subclass may check more than the type
         environment.is_safe_attribute = _kept_checks(environment.is_safe_attribute)
-        environment.is_safe_callable = _builtins_safe(environment.is_safe_callable)
+        environment.call = _builtins_called_directly(environment.call)
     return environment.from_string(source)
 
 
@@ -74,11 +74,18 @@ def _kept_checks(is_safe_attribute):
     return check
 
 
-def _builtins_safe(is_safe_callable):
-    """`is_safe_callable(obj)` without its two attribute look-ups for a built-in method (`m.get`, the
-    template's most frequent call): it looks for `unsafe_callable` or `alters_data` on the object,
-    and a built-in method can carry neither (no instance attributes; its type defines none)."""
-    def check(obj) -> bool:
-        return type(obj) is BuiltinMethodType or is_safe_callable(obj)
+def _builtins_called_directly(call):
+    """The sandbox's `call(context, obj, *args, **kwargs)`, for a built-in method (`m.get(...)`, the
+    template's most frequent call) made as jinja makes it without the look-ups that cannot find
+    anything on one: `is_safe_callable`'s `unsafe_callable`/`alters_data` markers and `Context.call`'s
+    `jinja_pass_arg` (a built-in method has no instance attributes and its type defines none)."""
+    def direct(context, obj, /, *args, **kwargs):
+        if type(obj) is not BuiltinMethodType or "_loop_vars" in kwargs or "_block_vars" in kwargs:
+            return call(context, obj, *args, **kwargs)
+        try:
+            return obj(*args, **kwargs)
+        except StopIteration:  # as Context.call answers it
+            return context.environment.undefined("value was undefined because a callable raised a"
+                                                 " StopIteration exception")
 
-    return check
+    return direct
