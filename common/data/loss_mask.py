@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 from jinja2 import TemplateError
 
+from common.data.chat_template import ChatTemplate
 from common.data.conversations import Message
 from common.data.fast_encode import FastEncoder
 from common.errors import PipelineError
@@ -144,6 +145,7 @@ class ChatMasker:
         self._is_cut[list(self.cut_ids.values())] = True
         self._cut_re = re.compile("(" + ("|".join(map(re.escape, sorted(self.cut_ids, key=len, reverse=True))) or "(?!)")
                                   + ")")
+        self.template = ChatTemplate(tokenizer)
         self._prefix_ids: dict[str, list[int]] = {}
         self._skeletons: dict[str, str] = {}
         try:
@@ -244,9 +246,8 @@ class ChatMasker:
     def _render(self, messages: list[dict], generation_prompt: bool = False, tools: list | None = None,
                 **variables) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=generation_prompt,
-                                                      **{**self.switches, **variables})
+            return self.template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                 **{**self.switches, **variables})
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise MaskError(TEMPLATE_ERROR, str(e).splitlines()[0] if str(e) else type(e).__name__) from e
 

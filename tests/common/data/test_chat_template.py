@@ -1,0 +1,53 @@
+"""common/data/chat_template.py: the same text as `apply_chat_template` on the demo conversations
+(chats and tool calls) for both miniature targets,
+the sandbox refusing what it refused, and apply_chat_template's own errors off the common path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jinja2.exceptions import SecurityError
+from transformers import AutoTokenizer
+
+from common.data.chat_template import ChatTemplate
+from common.data.conversations import to_conversation
+from common.defaults import demo_inputs
+
+VARIANTS = ({}, {"add_generation_prompt": True}, {"add_generation_prompt": True, "thinking": False},
+            {"preserve_thinking": True})
+
+
+@pytest.mark.parametrize("kind", ["kimi", "flat"])
+def test_renders_as_apply_chat_template(tokenizers, kind):
+    tokenizer = tokenizers[kind]
+    template = ChatTemplate(tokenizer)
+    records = [json.loads(line) for path in demo_inputs() for line in path.read_text(encoding="utf-8").splitlines()]
+    conversations = [to_conversation(str(i), r) for i, r in enumerate(records)]
+    assert any(c.tools for c in conversations)  # tool declarations and tool calls are rendered too
+    for c in conversations:
+        messages = [m.to_template() for m in c.messages]
+        for variables in VARIANTS:
+            expected = tokenizer.apply_chat_template(messages, tools=c.tools, tokenize=False, **variables)
+            assert template(messages, tools=c.tools, **variables) == expected
+
+
+@pytest.mark.parametrize("unsafe", ["{{ messages.append(1) }}", "{% for m in messages %}{{ m.get('role') }}"
+                                    "{{ m.clear() }}{% endfor %}", "{{ messages.__class__.__name__ }}"])
+def test_sandbox_refuses_as_before(flat_target, unsafe):
+    tokenizer = AutoTokenizer.from_pretrained(flat_target)
+    tokenizer.chat_template = unsafe
+    messages = [{"role": "user", "content": "hi"}]
+    template = ChatTemplate(tokenizer)
+    for render in (lambda: tokenizer.apply_chat_template(messages, tokenize=False), lambda: template(messages)):
+        with pytest.raises(SecurityError):
+            render()
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_apply_chat_template_errors_off_the_common_path(tokenizers):
+    template = ChatTemplate(tokenizers["flat"])
+    with pytest.raises(ValueError, match="Tools should either be a JSON schema"):
+        template([{"role": "user", "content": "hi"}], tools=["not a schema"])
+    with pytest.raises(IndexError):
+        template([])
