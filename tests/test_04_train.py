@@ -504,7 +504,7 @@ def test_checkpoint_of_another_optimizer_is_refused_on_resume(trained, tmp_path)
     with pytest.raises(PipelineError) as error:
         train_in_process(*bad_input_args(trained, tmp_path / "out"), "--optimizer", "adamw", "--resume")
     assert str(error.value).startswith(f"checkpoint {tmp_path / 'out' / 'checkpoints' / '1'} was trained with another "
-                                       "optimizer set-up (parameter groups of [8, 4] there, [11] now with "
+                                       "optimizer set-up (parameter groups of [8, 4] there, [15] now with "
                                        "--optimizer adamw)")
 
 
