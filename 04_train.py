@@ -43,6 +43,7 @@ from common.draft.model import (
     read_config_file,
     speculator_config,
 )
+from common.runtime import default_device
 from common.target.config import load_target_info
 from common.train.checkpoints import check_resumable, numbered
 from common.train.data import (
@@ -106,14 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_device(flag: str, local_rank: int, distributed: bool) -> torch.device:
-    if distributed:  # one GPU per rank; on a machine without GPUs, the CPU (gloo)
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if flag == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(flag)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     local_rank, world_size, rank, distributed = setup_distributed()
@@ -127,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.preset)
     for line in overrides:
         say(line)
-    device = resolve_device(args.device, local_rank, distributed)
+    device = torch.device(default_device(None if distributed else args.device))  # torchrun: one GPU per rank
     patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile)
     output = Path(args.output or args.run_dir)
     data_dir, vocab_dir = stage_dir(args, "hidden_states", args.data), stage_dir(args, "vocab", args.vocab)

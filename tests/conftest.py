@@ -1,40 +1,62 @@
-"""Shared fixtures: the two miniature targets (trained once into the repository's cache, keyed by
+"""Shared fixtures: the miniature targets (trained once into the repository's cache, keyed by
 a hash of the fixture code and corpus, and copied per session so no test can alter the cache),
-the demo conversations, a helper that runs a numbered script as a real subprocess, and two that
-write step 02's and step 03's folders from random states (for checks and plumbing)."""
+the demo conversations, each target loaded with an untrained draft, a helper that runs a numbered
+script as a real subprocess, one that runs `vllm serve` for the duration of a test, two that write
+step 02's and step 03's folders from random states (for checks and plumbing), and one that writes
+an untrained draft folder."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from speculators.models.eagle3 import Eagle3DraftModel
+from transformers import AutoTokenizer
 
+from common.data.loss_mask import ChatMasker
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.draft import patch
-from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
-from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_targets
+from common.draft.model import TINY_CONFIG, build_draft, export_draft, read_config_file, speculator_config
+from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target, ensure_targets
 from common.hidden_states.files import SAMPLE_LENGTHS, DataConfig, save_sample
 from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
+from common.target.model import load_text_model
 from common.vocab import build_maps, make_report, write_vocab
+
+DRAFT_K = 3  # TTT steps of the untrained drafts of random_draft
+DRAFT_VOCAB = 512
 
 
 def _session_copy(kind: str, tmp_path_factory) -> Path:
-    # The first test that needs a target builds both at once (from an empty cache, ~12 min on 2 cores).
-    cached = ensure_targets(["kimi", "flat"])[kind]
-    return Path(shutil.copytree(cached, tmp_path_factory.mktemp("targets") / kind))
+    # The first test that needs a target builds both at once (from an empty cache, ~12 min on 2 cores);
+    # kimi-bf16 is built on the way to kimi (the INT4 one is it quantized).
+    ensure_targets(["kimi", "flat"])
+    return Path(shutil.copytree(ensure_target(kind), tmp_path_factory.mktemp("targets") / kind))
 
 
 @pytest.fixture(scope="session")
 def kimi_target(tmp_path_factory) -> Path:
     return _session_copy("kimi", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def kimi_bf16_target(tmp_path_factory) -> Path:
+    """The Kimi-style miniature with bf16 routed experts (what vLLM runs on a CPU)."""
+    return _session_copy("kimi-bf16", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +82,19 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizers(kimi_target, flat_target) -> dict:
+    """Each miniature target's tokenizer, loaded once (step 01's masks and ids are built from them)."""
+    return {"kimi": AutoTokenizer.from_pretrained(kimi_target, trust_remote_code=True),
+            "flat": AutoTokenizer.from_pretrained(flat_target)}
+
+
+@pytest.fixture(scope="session")
+def maskers(tokenizers) -> dict:
+    """A `ChatMasker` per miniature target (its template analysis and encode-path probes run once)."""
+    return {kind: ChatMasker(tok) for kind, tok in tokenizers.items()}
+
+
+@pytest.fixture(scope="session")
 def demo_conversations() -> Path:
     return DEMO_CONVERSATIONS
 
@@ -73,6 +108,51 @@ def run_script(script: str, *args: str | Path, check: bool = True, timeout: floa
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def read_regenerated(folder: Path) -> list[dict]:
+    """The conversations of a 00 output folder, in part order."""
+    return [json.loads(line) for p in sorted(folder.glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def assert_same_turns(hf: list[dict], served: list[dict]) -> None:
+    """00's conversations from two engines at temperature 0: the same conversations, and the same
+    assistant turns but for rounding ties (vLLM's CPU kernels and transformers' round differently, so
+    a near-tie may break the other way): at most one turn in ten may differ."""
+    assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
+    turns = [(a, b) for x, y in zip(hf, served, strict=True) for a, b in zip(x["messages"], y["messages"])
+             if a["role"] == "assistant"]
+    differ = [(a, b) for a, b in turns if a != b]
+    assert len(differ) <= len(turns) // 10, differ
+
+
+@contextmanager
+def vllm_server(python: Path, target: Path, log: Path, *flags: str) -> Iterator[str]:
+    """`vllm serve TARGET FLAGS` (its OpenAI API server, tokenizer initialised) on a free local port,
+    in bf16 with a 1 GiB KV cache; yields its URL once it answers, stopped on leaving."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", "bfloat16",
+               "--max-model-len", "512", "--port", str(port), "--kv-cache-memory-bytes", str(1 << 30),
+               "--no-enable-prefix-caching", *flags]
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 900
+            while True:
+                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                try:
+                    urllib.request.urlopen(url + "/v1/models", timeout=5)
+                    break
+                except OSError:
+                    time.sleep(2)
+            yield url
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=120)
 
 
 def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
@@ -131,3 +211,45 @@ def packed_batch(seed: int, length: int = 24, hidden: int = 64) -> dict[str, tor
             "verifier_last_hidden_states": torch.randn(1, length, hidden, generator=g),
             "loss_mask": torch.ones(1, length, dtype=torch.long), "lengths": torch.tensor([10, length - 10]),
             "position_ids": torch.cat([torch.arange(10), torch.arange(length - 10)]).unsqueeze(0)}
+
+
+def random_draft(target: Path, seed: int = 0):
+    """An untrained draft for `target`, with a draft vocabulary that is not the identity map."""
+    patch.apply(trust_remote_code=True, compile_forward=False)
+    info = load_target_info(target, trust_remote_code=True)
+    counts = torch.zeros(info.vocab_size, dtype=torch.long)
+    counts[:4096] = torch.randint(1, 100, (4096,), generator=torch.Generator().manual_seed(seed))
+    d2t, t2d = build_maps(counts, DRAFT_VOCAB)
+    config = speculator_config(read_config_file(TINY_CONFIG).model, info, DRAFT_VOCAB, info.default_layer_ids(),
+                               DRAFT_K)
+    torch.manual_seed(seed)
+    return build_draft(config, t2d, d2t).eval()
+
+
+def export_untrained(target: Path, out: Path, seed: int = 0) -> Path:
+    """A draft folder in speculators format holding an untrained draft, through 04's exporter."""
+    draft = random_draft(target, seed)
+    checkpoint = out.parent / f".{out.name}-checkpoint"
+    checkpoint.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(checkpoint / "model.safetensors"))
+    return export_draft(checkpoint, draft.config, out)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The miniature models are too small to gain from intra-op threads, and on a shared 2-core
+    machine two threads spinning against other processes make each forward pass ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def models(kimi_target, flat_target):
+    """(target model, info, random draft) per miniature target, loaded once."""
+    loaded = {}
+    for name, path in (("kimi", kimi_target), ("flat", flat_target)):
+        info = load_target_info(path, trust_remote_code=True)
+        loaded[name] = (load_text_model(info), info, random_draft(path))
+    return loaded

@@ -32,10 +32,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import export_untrained, run_script
 from test_02_extract import BATCH_TOKENS, assert_same_files, extract_args, folder_digest, write_prepared
 from test_04_train import write_hidden_states
-from test_05_evaluate import export_untrained
 
 from common.atomic import TMP_PREFIX
 from common.defaults import REPO_ROOT
