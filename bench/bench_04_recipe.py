@@ -2,7 +2,7 @@
 
     python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
         [--variants before,teacher-forced,...] [--no-vllm] [--control] [--table-only]
-    # flat miniature, all variants, with vLLM: about 8 minutes per variant on 2 shared CPU cores;
+    # flat miniature: about 5 minutes per variant on 2 quiet CPU cores (04 3, 05 1, vLLM 1-2), far more when shared;
     # figures in RUN_DIR/bench_recipe.json
 
 1. 01 -> 02 -> 03 once into RUN_DIR (the demo conversations, a 2048-token draft vocabulary), unless
