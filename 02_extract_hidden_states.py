@@ -20,7 +20,9 @@ Usage:
         [--tensor-parallel-size 8]                       # vLLM from its own environment (common/vllm/client.py)
 
 Run the same command again to resume: complete files are kept, unreadable ones redone (files the
-journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Shards
+journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Add
+`--verify` to re-read every finished file and redo those whose bytes no longer have the digest
+the journal recorded when they were written (a file damaged in place keeps its size). Shards
 may share one output folder; the last one to finish writes sample_lengths.json/data_config.json.
 """
 
@@ -95,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="this process's shard, 0-based (default: $RANK or 0)")
     batching.add_argument("--skip-disk-check", action="store_true",
                           help="start even when the output disk looks too small")
+    batching.add_argument("--verify", action="store_true",
+                          help="re-read every finished file and redo those whose bytes differ from the digest "
+                               "recorded when they were written (a plain restart only checks sizes)")
     add_runtime_args(parser, "extract")
     args = parser.parse_args(argv)
     if args.batch_tokens <= 0:
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = remove_stale_rows(out, config, num_rows)
     if stale:
         print(f"{out} was written from another prepared dataset: removed {stale:,} files of rows past its end")
-    done, redo = find_done(out, ds, mine, info.hidden_size, storage=storage)
+    done, redo = find_done(out, ds, mine, info.hidden_size, storage=storage, verify=args.verify)
     todo_tokens = sum(lengths[i] for i in mine - done)
 
     # 4. Disk: refuse to start a run that cannot finish.

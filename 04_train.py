@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     # 4. data: the library's split, dataset, noise, packing sampler and collate
     train_files, val_files = split_data(data, settings.val_ratio, settings.seed)
     pin = device.type == "cuda"
-    train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin)
-    val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin) if val_files else None
+    skips = data.skip_tally()  # damaged files are skipped and counted, up to a share (common/train/sample_files.py)
+    train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin, tally=skips)
+    val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin, skips) if val_files else None
     tokens = epoch_tokens(data, train_files, settings.total_seq_len)
     say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
         f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
@@ -214,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         log=str(output / LOG_FILE), plot=str(output / PLOT_FILE),
         validation=vars(validation) if validation else None, overrides=overrides,
         exported_checkpoint=str(output / CHECKPOINTS / str(chosen)), exported_because=because,
-        best_validation=vars(best) if best else None)
+        best_validation=vars(best) if best else None, skipped_files=skips.skipped)
     report_path = report.save(output)
     print(f"trained epochs {start_epoch + 1}-{settings.epochs} of {settings.epochs} on {len(train_files):,} samples "
           f"({tokens:,} tokens per epoch, {report.tokens_per_second:,.0f} tok/s in the last epoch)"
           if report.epochs_run else f"nothing to train: all {settings.epochs} epochs have checkpoints")
+    if skips.skipped:
+        print(f"skipped {len(skips.skipped):,} of {len(data.files):,} hidden-state files that could not be used "
+              f"(listed in {report_path}; 02_extract_hidden_states.py --verify redoes them)")
     print(f"outputs: {draft_dir} (draft), {output / CHECKPOINTS} ({len(epochs)} checkpoints), "
           f"{output / LOG_FILE}, {output / PLOT_FILE}, {report_path}")
     return 0

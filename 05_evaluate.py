@@ -152,6 +152,9 @@ def evaluate(args: argparse.Namespace) -> int:
             else:
                 report.offline = offline_metrics(draft, data, split.files, k, training_seq_len(draft_dirs["draft"]),
                                                  device)
+                if report.offline["skipped_files"]:
+                    print(f"offline metrics of {name}: skipped {len(report.offline['skipped_files'])} of "
+                          f"{len(split.files)} hidden-state files that could not be used")
         reports.append((report, draft))
 
     # 4. measured: plain decoding once, then speculative decoding with each draft and baseline

@@ -151,7 +151,8 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
     settings = TrainSettings(ttt_steps=k, noise_std=0.0, total_seq_len=total_seq_len, num_workers=0)
     loader = make_loader(data, files, settings, world_size=1, rank=0, train=False, pin_memory=False)
     summary = ValSummary.from_metrics(evaluate(draft, loader, device, settings), epoch=0)
-    return {"val_loss": summary.loss, "loss_per_step": summary.loss_per_step, "full_acc": summary.full_acc,
+    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/train/sample_files.py)
+    return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step, "full_acc": summary.full_acc,
             "cond_acc": summary.cond_acc, "simulated_acceptance_length": summary.acceptance_length,
             "samples": len(files), "tokens": epoch_tokens(data, files, total_seq_len)}
 
@@ -319,6 +320,7 @@ class DraftReport:
         out: dict = {"name": self.name, "path": self.path}
         offline = self.offline or {}
         out["simulated_acceptance_length"] = offline.get("simulated_acceptance_length")
+        out["offline_skipped_files"] = offline.get("skipped_files", {})  # damaged hidden-state files left out
         if self.measured is not None:
             m = self.measured
             out.update({

@@ -59,6 +59,8 @@ MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")
 IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_layers", "vocab_size",
                    "layer_ids", "last_state", "storage", "dtype", "format_version")
 DIGEST_CHARS = 16  # hex characters of a journal's ids digest
+FILE_DIGEST_CHARS = 32  # hex characters of a journal's file digest
+JOURNAL_LINE = re.compile(rf"(\d+) (\d+) ([0-9a-f]{{{DIGEST_CHARS}}})(?: ([0-9a-f]{{{FILE_DIGEST_CHARS}}}))?", re.ASCII)
 PACKAGES = ("torch", "transformers", "speculators", "datasets")
 
 
@@ -180,22 +182,54 @@ def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int,
 
 
 def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 1000,
-              storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> tuple[set[int], int]:
+              storage: StateStorage = STORAGES[DEFAULT_STORAGE], verify: bool = False) -> tuple[set[int], int]:
     """(indices whose file is complete and matches its prepared row, count of files deleted
     because they were not): a resumed run keeps the first and redoes the rest.
 
     A file the journals list with its current size and the digest of its prepared row's ids is
     kept without being opened (one `stat` instead of a `torch.load`: the difference between
-    seconds and many minutes for 500K files); any other file is loaded and checked."""
+    seconds and many minutes for 500K files); any other file is loaded and checked. With
+    `verify` (02 --verify), a listed file is also re-read whole and kept only if its bytes still
+    have the digest recorded when it was written (a file damaged in place keeps its size)."""
     existing = _sample_file_names(root)
     candidates = sorted(i for i in indices if i in existing)
     journal = read_journals(root)
     listed = [i for i in candidates if i in journal]
     digests = row_digests(ds, listed, chunk)
     done = {i for i in listed if (os.stat(existing[i]).st_size, digests[i]) in journal[i]}
-    unsure = {i: Path(existing[i]) for i in candidates if i not in done}
+    damaged: set[int] = set()
+    if verify:
+        done, damaged = _verified(existing, journal, digests, done)
+        for i in damaged:
+            os.unlink(existing[i])
+    unsure = {i: Path(existing[i]) for i in candidates if i not in done and i not in damaged}
     checked, redo = _load_and_check(unsure, ds, sorted(unsure), hidden_size, chunk, storage)
-    return done | checked, redo
+    return done | checked, redo + len(damaged)
+
+
+def _verified(existing: dict[int, str], journal: dict[int, dict[tuple[int, str], str]], digests: dict[int, str],
+              listed: set[int]) -> tuple[set[int], set[int]]:
+    """(files among `listed` whose bytes still have the digest recorded when they were written,
+    those whose bytes do not). A file without a recorded digest (a journal of an earlier
+    version) is in neither: the caller loads and checks it like a file no journal lists."""
+    good, damaged = set(), set()
+    for i in tqdm(sorted(listed), desc="verify", unit="file", disable=len(listed) < 1000):
+        recorded = journal[i][(os.stat(existing[i]).st_size, digests[i])]
+        if recorded and file_digest(existing[i]) == recorded:
+            good.add(i)
+        elif recorded:
+            tqdm.write(f"--verify: {existing[i]} no longer has the digest recorded when it was written; redoing it")
+            damaged.add(i)
+    return good, damaged
+
+
+def file_digest(path: str | Path) -> str:
+    """A digest of a file's bytes, read in 8 MB pieces (the journal records it when 02 writes the file)."""
+    digest = hashlib.blake2b(digest_size=FILE_DIGEST_CHARS // 2)
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def _load_and_check(existing: dict[int, Path], ds, candidates: list[int], hidden_size: int,
@@ -264,19 +298,20 @@ def ids_digest(input_ids) -> str:
 
 class Journal:
     """One line per sample file this shard has finished, appended once the file is in place:
-    `INDEX FILE_BYTES IDS_DIGEST` (plain text: it parses several times faster than JSON lines at
-    500K lines). A kill can cut the last line short or lose the lines of the last files; either
-    only means those files get checked the slow way on resume."""
+    `INDEX FILE_BYTES IDS_DIGEST FILE_DIGEST` (plain text: it parses several times faster than
+    JSON lines at 500K lines; journals of earlier versions lack FILE_DIGEST). A kill can cut the
+    last line short or lose the lines of the last files; either only means those files get
+    checked the slow way on resume."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.file: TextIO | None = path.open("a", encoding="utf-8")
 
-    def add(self, index: int, file_bytes: int, digest: str) -> None:
+    def add(self, index: int, file_bytes: int, digest: str, file_digest: str = "") -> None:
         if self.file is None:
             return
         try:
-            self.file.write(f"{index} {file_bytes} {digest}\n")
+            self.file.write(f"{index} {file_bytes} {digest} {file_digest}".rstrip() + "\n")
             self.file.flush()
         except OSError:
             # A full disk. The journal only saves time on a restart, so it stops here and the run
@@ -296,15 +331,17 @@ class Journal:
         self.close()
 
 
-def read_journals(root: Path) -> dict[int, set[tuple[int, str]]]:
-    """Index -> every (file size, ids digest) any journal in `root` lists for it."""
-    records: dict[int, set[tuple[int, str]]] = {}
+def read_journals(root: Path) -> dict[int, dict[tuple[int, str], str]]:
+    """Index -> {(file size, ids digest): file digest ("" where not recorded)} of every line any
+    journal in `root` lists for it. Lines cut short or garbled (a kill, a damaged disk; bytes that
+    are not UTF-8 included) are left out: those files are checked the slow way."""
+    records: dict[int, dict[tuple[int, str], str]] = {}
     for path in root.glob("extract_journal_*.txt"):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            fields = line.split(" ")
-            if len(fields) != 3 or len(fields[2]) != DIGEST_CHARS or not (fields[0] + fields[1]).isdigit():
-                continue  # a line cut short by a kill
-            records.setdefault(int(fields[0]), set()).add((int(fields[1]), fields[2]))
+        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+            match = JOURNAL_LINE.fullmatch(line)
+            if match is not None:
+                index, size, ids, data = match.groups()
+                records.setdefault(int(index), {})[(int(size), ids)] = data or ""
     return records
 
 
