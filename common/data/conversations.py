@@ -52,8 +52,10 @@ SHAREGPT_RESULT_TURNS = {"observation", "function_response", "tool"}
 # Content parts that are media: dropped from the text, counted.
 MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url"}
 
+BOM = "\ufeff"  # a UTF-8 byte-order mark, as some editors write at a file's start
 # Drop reasons of this stage (the report's keys).
 MALFORMED_RECORD = "malformed_record"
+UNDECODABLE = "undecodable_text"  # bytes that are not UTF-8, or a lone surrogate
 MALFORMED_TOOLS = "malformed_tools"
 UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
@@ -123,26 +125,77 @@ Record = tuple[str, Any]
 
 
 def read_jsonl(path: Path) -> Iterator[Record]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    """One record per non-blank line. A line that is not UTF-8 or not JSON, or whose strings hold
+    a lone surrogate (`"\\ud83d"` without its pair: valid JSON, but no UTF-8 text can hold
+    it), is a Rejection naming the line; a byte-order mark before the first record is dropped."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            sample_id = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield sample_id, Rejection(UNDECODABLE, f"not UTF-8 text (byte {e.object[e.start]:#04x} at column "
+                                                        f"{e.start + 1})")
+                continue
+            if number == 1:
+                line = line.removeprefix(BOM)
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{number}", json.loads(line)
+                yield sample_id, _without_lone_surrogates(json.loads(line), _may_hold_surrogates(line))
             except json.JSONDecodeError as e:
-                yield f"{path}:{number}", Rejection(MALFORMED_RECORD, f"not valid JSON ({e.msg})")
+                yield sample_id, Rejection(MALFORMED_RECORD, f"not valid JSON ({e.msg})")
+
+
+def _may_hold_surrogates(text: str) -> bool:
+    """Only JSON text with a `\\u` escape of a surrogate (`\\ud800`..`\\udfff`) can produce one."""
+    return "\\ud" in text or "\\uD" in text
+
+
+def _without_lone_surrogates(record: Any, may_hold: bool) -> Any:
+    """`record`, or a Rejection if one of its strings holds a lone UTF-16 surrogate (walked only
+    when the text `may_hold` one)."""
+    if not may_hold:
+        return record
+    bad = next((c for text in _strings(record) if not _encodable(text) for c in text if 0xD800 <= ord(c) <= 0xDFFF),
+               None)
+    return record if bad is None else Rejection(UNDECODABLE, f"a string holds a lone surrogate \\u{ord(bad):04x} "
+                                                             "(a \\u escape without its pair)")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_json_records(path: Path) -> Iterator[Record]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the JSON
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PipelineError(f"{path}: not a valid JSON file ({e})") from e
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
         raise PipelineError(f"{path}: unknown JSON layout (expected a list of conversations or {{\"data\": [...]}})")
-    yield from _rows(path, data)
+    may_hold = _may_hold_surrogates(text)
+    for sample_id, record in _rows(path, data):
+        yield sample_id, _without_lone_surrogates(record, may_hold)
 
 
 def read_parquet(path: Path) -> Iterator[Record]:

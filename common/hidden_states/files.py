@@ -39,7 +39,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.atomic import TMP_PREFIX, atomic_path, read_json, write_json
+from common.atomic import (
+    TMP_PREFIX,
+    atomic_path,
+    failed_write,
+    format_bytes,
+    read_json,
+    save_whole,
+    write_error,
+    write_json,
+)
 from common.data.fingerprints import prepared_fingerprint
 from common.data.prepared_dataset import PrepareReport
 from common.errors import PipelineError
@@ -155,12 +164,11 @@ def save_sample(root: str | Path, index: int, input_ids: torch.Tensor, states: l
         data[SCALES_KEY] = scales
     try:
         with atomic_path(path) as tmp:
-            torch.save(data, tmp)
-            return tmp.stat().st_size
-    except (OSError, RuntimeError) as e:
-        free = shutil.disk_usage(root).free
-        raise PipelineError(f"cannot write {path} ({type(e).__name__}: {str(e).strip().splitlines()[0]}); "
-                            f"{free / 1e6:,.1f} MB free on its disk") from e
+            return save_whole(data, tmp)
+    except OSError as e:
+        raise PipelineError(write_error(e, path)) from e
+    except RuntimeError as e:  # torch's wording of a failed write (a full disk among others)
+        raise PipelineError(failed_write(path, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")) from e
 
 
 def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int,
@@ -446,6 +454,6 @@ def check_disk(root: Path, needed_bytes: int) -> None:
     probe = root if root.exists() else next(p for p in root.parents if p.exists())
     free = shutil.disk_usage(probe).free
     if needed_bytes > free:
-        raise PipelineError(f"output disk of {root} has {free / 1e9:,.1f} GB free, the samples still to extract "
-                            f"need about {needed_bytes / 1e9:,.1f} GB; free space, choose another --output, "
+        raise PipelineError(f"output disk of {root} has {format_bytes(free)} free, the samples still to extract "
+                            f"need about {format_bytes(needed_bytes)}; free space, choose another --output, "
                             "or pass --skip-disk-check")
