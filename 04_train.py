@@ -43,7 +43,7 @@ from common.draft.model import (
     speculator_config,
 )
 from common.target.config import load_target_info
-from common.train.checkpoints import check_resumable
+from common.train.checkpoints import check_resumable, check_same_settings
 from common.train.distributed import setup_distributed, teardown_distributed
 from common.train.trainer import (
     CHECKPOINTS,
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     # 3. draft model, and the epoch to start at
     config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
     resume = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
+    if resume is not None:
+        check_same_settings(resume, vars(settings))  # applied from the resumed step, or refused
     start_epoch = resume.epoch if resume is not None else 0
     if distributed:
         torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     with metrics_logging(log):
         trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume, distributed,
                                                        device),
-                                 train_loader, val_loader, log, resume, settings.save_every)
+                                 train_loader, val_loader, log, resume, settings.save_every, vars(settings))
         trainer.run_training()
     teardown_distributed()
     if not is_main:
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     because = ("best validation simulated acceptance length" if best
                else "last checkpoint (no validation pass: --val-ratio 0)")
     draft_dir = export_draft(output / CHECKPOINTS / str(chosen), config, output / DRAFT,
-                             {SPLIT_FILE: split_record(data, train_files, val_files, settings)})
+                             {SPLIT_FILE: split_record(data, train_files, val_files, settings, output / DRAFT)})
     print(f"exported checkpoint {output / CHECKPOINTS / str(chosen)} ({because}"
           + (f": {best.acceptance_length:.3f} after epoch {best.epoch + 1})" if best else ")"))
 

@@ -38,6 +38,7 @@ from common.evaluate.measure import (
     DraftReport,
     check_data,
     check_draft,
+    check_prepared_of_split,
     gap_notes,
     held_out,
     measure_draft,
@@ -133,6 +134,7 @@ def evaluate(args: argparse.Namespace) -> int:
     prepared_dir = stage_dir(args, "prepared", args.prepared)
     ds, prepared = load_prepared(prepared_dir)
     check_prepared_target(prepared, prepared_dir, info.path, info.vocab_size)
+    check_prepared_of_split(draft_dirs["draft"], prepared_dir)
     prompts, skipped = select_prompts(ds, args.max_prompts, split.rows)
     print(f"target {info.path} ({info.text_architecture}, {info.num_layers} layers); k = {k}; held-out: {split.rule}")
 

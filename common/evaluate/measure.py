@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from common.atomic import read_json, write_json
+from common.data.fingerprints import prepared_fingerprint
 from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
 from common.errors import PipelineError
 from common.evaluate.decoding import (
@@ -54,7 +55,7 @@ from common.train.trainer import (
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
 __all__ = [
-    "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "training_seq_len", "Prompt",
+    "check_draft", "HeldOut", "held_out", "check_prepared_of_split", "check_data", "offline_metrics", "training_seq_len", "Prompt",
     "select_prompts", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain",
     "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "DraftReport", "summary_table",
     "gap_notes", "write_report", "no_speculation",
@@ -128,8 +129,31 @@ def _validation_rows(split_path: Path, data: HiddenStateData | None) -> list[int
         return None
     record = read_json(split_path)
     rows = record.get("validation_rows") or []
-    same_data = data is None or Path(record.get("hidden_states", "")).resolve() == data.folder.resolve()
+    same_data = data is None or _same_hidden_states(record, split_path.parent, data)
     return sorted(int(r) for r in rows) if rows and same_data else None
+
+
+def _same_hidden_states(record: dict, draft_dir: Path, data: HiddenStateData) -> bool:
+    """Whether `data` holds the rows the split speaks of: the same prepared dataset by its
+    fingerprint, wherever the run folder was moved or copied; by the folder's path (relative
+    to the draft folder, or absolute in drafts of earlier versions) when either has none."""
+    theirs, ours = record.get("prepared_fingerprint"), data.config.prepared_fingerprint
+    if theirs and ours:
+        return theirs == ours
+    return (draft_dir / record.get("hidden_states", "")).resolve() == data.folder.resolve()
+
+
+def check_prepared_of_split(draft_dir: str | Path, prepared_dir: str | Path) -> None:
+    """Refuse a prepared dataset that is not the one the draft was trained on (01 run again, or
+    another run's folder): 04's held-out rows would name other conversations, or rows past its
+    end. A draft without a split, or a split of an earlier version, is not checked."""
+    split_path = Path(draft_dir) / SPLIT_FILE
+    theirs = read_json(split_path).get("prepared_fingerprint") if split_path.is_file() else None
+    ours = prepared_fingerprint(prepared_dir)
+    if theirs and theirs != ours:
+        raise PipelineError(f"prepared dataset {prepared_dir} is not the one draft {draft_dir} was trained on "
+                            f"(prepared fingerprint {ours}, {split_path} records {theirs}): its held-out rows would "
+                            "be other conversations; pass --prepared of that run, or train the draft again")
 
 
 def check_data(data: HiddenStateData, info: TargetInfo, layer_ids: list[int], draft_dir: Path) -> None:

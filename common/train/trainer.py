@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -295,11 +296,15 @@ class ResumableBatchSampler(MultipackDistributedBatchSamplerV2):
         return batches
 
 
-def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: TrainSettings) -> dict:
-    """The split as prepared-dataset rows (`data_{i}.pt` holds row i of 02's prepared input)."""
-    return {"prepared": data.config.prepared, "prepared_fingerprint": data.config.prepared_fingerprint,
-            "hidden_states": str(data.folder), "val_ratio": settings.val_ratio,
-            "seed": settings.seed, "train_samples": len(train),
+def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: TrainSettings,
+                 draft_dir: Path) -> dict:
+    """The split as prepared-dataset rows (`data_{i}.pt` holds row i of 02's prepared input).
+    Folders are recorded relative to `draft_dir`, where the record is written, so the run
+    folder can be moved or copied; 05 matches the data by the prepared fingerprint."""
+    return {"prepared": os.path.relpath(data.config.prepared, draft_dir),
+            "prepared_fingerprint": data.config.prepared_fingerprint,
+            "hidden_states": os.path.relpath(data.folder.resolve(), Path(draft_dir).resolve()),
+            "val_ratio": settings.val_ratio, "seed": settings.seed, "train_samples": len(train),
             "validation_rows": sorted(sample_index(f) for f in val)}
 
 
@@ -358,7 +363,9 @@ class ProjectTrainer(Trainer):
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig, train_loader: DataLoader,
                  val_loader: DataLoader | None, progress: MetricsLog | None, resume: ResumePoint | None = None,
-                 save_every: int = 0) -> None:
+                 save_every: int = 0, settings: dict | None = None) -> None:
+        """`settings`: the training settings, recorded in each checkpoint (a resume compares them)."""
+        self.settings = settings
         self.resume = resume  # read by setup_trainer, which the library's constructor calls
         self.rank = dist.get_rank() if config.is_distributed else 0
         # The library's own resume knows only epoch checkpoints: it is turned off and the resume
@@ -465,7 +472,7 @@ class ProjectTrainer(Trainer):
         name = str(position.epoch if position.epoch_complete else position.global_step)
         staging = root / STAGING
         (staging / name).mkdir(parents=True, exist_ok=True)
-        checkpoints.write_state(staging / name, position, self.rank)
+        checkpoints.write_state(staging / name, position, self.rank, self.settings)
         saved_path, self.checkpointer.path = self.checkpointer.path, staging
         try:
             self.checkpointer.save_checkpoint(self.model, self.opt, name, float_dtype=torch.float32)
