@@ -118,7 +118,8 @@ def save_whole(obj: Any, path: Path) -> int:
     torch.save(obj, path)
     size, needed = path.stat().st_size, _tensor_bytes(obj)
     if size < needed:
-        raise RuntimeError(f"torch.save wrote {size:,} bytes, the tensors alone take {needed:,}: the write was cut short")
+        raise RuntimeError(f"torch.save wrote {size:,} bytes, the tensors alone take {needed:,}: "
+                           "the write was cut short")
     return size
 
 

@@ -234,8 +234,12 @@ FORMATS: dict[str, Callable[[Path], Iterator[Record]]] = {
 }
 SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 HF_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-# A stage's report (00's regenerate_report.json in the folder it writes) is not conversations.
+# A stage's report (00's regenerate_report.json in the folder it writes) is not conversations,
+# nor are the configuration files a model or dataset folder often holds beside them.
 REPORT_SUFFIX = "_report.json"
+NOT_CONVERSATIONS = frozenset({"config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+                               "special_tokens_map.json", "preprocessor_config.json", "adapter_config.json",
+                               "model.safetensors.index.json"})
 
 
 def _is_hf_dataset(folder: Path) -> bool:
@@ -244,8 +248,8 @@ def _is_hf_dataset(folder: Path) -> bool:
 
 def resolve_inputs(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
     """Each input as (file or dataset folder, format name); a plain folder is expanded into the
-    data files and saved datasets under it (sorted; other and hidden files and stage reports
-    `*_report.json` are ignored).
+    data files and saved datasets under it (sorted; other and hidden files, stage reports
+    `*_report.json` and configuration files such as `config.json` are ignored).
     Errors name the path."""
     sources = []
     for path in map(Path, paths):
@@ -268,7 +272,7 @@ def _expand(path: Path) -> list[tuple[Path, str]]:
     if _is_hf_dataset(path):
         return [(path, "hf_dataset")]
     return [s for child in sorted(path.iterdir()) if not child.name.startswith(".")
-            and not child.name.endswith(REPORT_SUFFIX) for s in _expand(child)]
+            and not child.name.endswith(REPORT_SUFFIX) and child.name not in NOT_CONVERSATIONS for s in _expand(child)]
 
 
 def iter_records(sources: Iterable[tuple[Path, str]]) -> Iterator[Record]:

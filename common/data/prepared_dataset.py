@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 from datasets import load_from_disk
 
 from common.atomic import read_json, write_json
@@ -83,6 +84,17 @@ def check_prepared_target(report: PrepareReport, folder: str | Path, target: str
                             f"not with the given target {target}; re-run 01_prepare_data.py with this target")
 
 
+def _unreadable_shard(folder: Path) -> str:
+    """The first Arrow data file of `folder` that pyarrow cannot read through, by name."""
+    for path in sorted(folder.glob("*.arrow")):
+        try:
+            with pa.memory_map(str(path)) as source:
+                pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowException):
+            return path.name
+    return "an Arrow data file"
+
+
 def load_prepared(folder: str | Path):
     """(datasets.Dataset, PrepareReport) of a prepared folder, validated; errors name the folder."""
     folder = Path(folder)
@@ -95,6 +107,9 @@ def load_prepared(folder: str | Path):
         raise PipelineError(f"prepared dataset {folder}: not a saved Hugging Face dataset: {e}") from e
     except IndexError as e:  # datasets cannot load a dataset saved with no rows (no data shards)
         raise PipelineError(f"prepared dataset {folder}: it holds no samples (no data shards)") from e
+    except OSError as e:  # pyarrow's error for a data file cut short names no file
+        raise PipelineError(f"prepared dataset {folder}: {_unreadable_shard(folder)} cannot be read ({e}); "
+                            "run 01_prepare_data.py again") from e
     missing = [c for c in COLUMNS if c not in ds.column_names]
     if missing:
         raise PipelineError(f"prepared dataset {folder}: columns {missing} missing")

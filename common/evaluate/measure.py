@@ -176,7 +176,8 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
     loader = make_loader(data, files, settings, world_size=1, rank=0, train=False, pin_memory=False)
     summary = ValSummary.from_metrics(evaluate(draft, loader, device, settings), epoch=0)
     skipped = loader.tally.skipped  # damaged files, each named on stderr (common/train/sample_files.py)
-    return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step, "full_acc": summary.full_acc,
+    return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step,
+            "full_acc": summary.full_acc,
             "cond_acc": summary.cond_acc, "simulated_acceptance_length": summary.acceptance_length,
             "samples": len(files), "tokens": epoch_tokens(data, files, total_seq_len)}
 

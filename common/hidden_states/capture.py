@@ -173,8 +173,14 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _is_out_of_memory(error: RuntimeError) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+# How an allocator says it is out of memory: CUDA's, and the CPU's ("DefaultCPUAllocator: can't
+# allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)").
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def _is_out_of_memory(error: RuntimeError | MemoryError) -> bool:
+    text = str(error).lower()
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or any(w in text for w in OUT_OF_MEMORY_WORDS)
 
 
 def _first_line(error: BaseException) -> str:
@@ -245,7 +251,7 @@ class ExtractionRun:
             return []
         try:
             states = self.extractor([s.input_ids for s in samples])
-        except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
+        except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
             if not _is_out_of_memory(error):
                 ids = ", ".join(s.sample_id for s in samples[:3]) + (", ..." if len(samples) > 3 else "")
                 raise PipelineError(f"extraction failed on samples {ids}: {_first_line(error)} "

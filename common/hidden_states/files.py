@@ -26,10 +26,13 @@ disk, so the two files are consistent with the folder whenever they are written.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import shutil
+import socket
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
@@ -447,6 +450,37 @@ def remove_stale_rows(root: Path, config: DataConfig, num_rows: int) -> int:
         os.unlink(path)
     (root / SAMPLE_LENGTHS).unlink(missing_ok=True)  # the merge starts from this run's manifests
     return len(stale)
+
+
+@contextlib.contextmanager
+def shard_lock(root: Path, shard_index: int, num_shards: int) -> Iterator[None]:
+    """Hold this shard's lock on `root` for the block: a second 02 writing the same shard into
+    the same folder (a command started twice, a job scheduled twice) would redo the same work and
+    race on every file, so it is refused, naming the process that holds the lock. The kernel drops
+    a lock when its process dies (SIGKILL included); the file is removed on a normal exit."""
+    path = root / f".extract_lock_{shard_index}_of_{num_shards}"
+    while True:
+        file = path.open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process"
+            file.close()
+            raise PipelineError(f"output folder {root}: {holder} is writing shard {shard_index} of {num_shards} into "
+                                "it; wait for it to finish (or stop it), then run the same command again") from None
+        if path.exists() and os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
+            break
+        file.close()  # the holder removed the file between our open and lock: lock the new one
+    file.seek(0)
+    file.truncate()
+    file.write(f"02_extract_hidden_states.py (pid {os.getpid()} on {socket.gethostname()})")
+    file.flush()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        file.close()
 
 
 def check_disk(root: Path, needed_bytes: int) -> None:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from common.atomic import read_json
 from common.errors import PipelineError
 
 NESTED_PREFIX = "language_model."
@@ -161,10 +162,17 @@ def weight_map(path: str | Path) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or the single safetensors file."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
-        return json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        index = read_json(path / INDEX_FILE)  # one cut short is a one-line error naming it
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise TargetError(f"target {path}: {INDEX_FILE} has no 'weight_map' object (copy the file again)")
+        return index["weight_map"]
     if (path / SINGLE_FILE).is_file():
-        with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
+        try:
+            with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE_FILE)
+        except SafetensorError as e:
+            raise TargetError(f"target {path}: {SINGLE_FILE} is not a readable safetensors file ({e}); "
+                              "copy it again") from e
     raise TargetError(f"target {path}: no weights ({INDEX_FILE} or {SINGLE_FILE} not found)")
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from common.atomic import read_json, write_json
 from common.errors import PipelineError
@@ -91,6 +92,26 @@ def check_resumable(point: ResumePoint, batches_per_epoch: int, world_size: int)
                         f"epoch on {position.world_size} rank(s), this run has {batches_per_epoch:,} on {world_size}; "
                         "resume with the same data, --total-seq-len and rank count, or from the last epoch "
                         "checkpoint (move checkpoints/steps aside)")
+
+
+def check_readable(folder: Path) -> None:
+    """Every file of a checkpoint opens (a file cut short or damaged on disk would stop the
+    resumed run with a traceback of the library's loader): safetensors headers and sizes, the
+    zip directory of each torch file, the JSON state. One line names the file otherwise."""
+    for path in sorted(folder.iterdir()):
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), "pt") as f:
+                    f.keys()
+            elif path.suffix == ".pt":
+                torch.load(path, mmap=True, weights_only=False, map_location="cpu")  # RNG states are not tensors
+            elif path.suffix == ".json":
+                read_json(path)
+        except Exception as e:  # noqa: BLE001 - whatever a damaged file raises
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise PipelineError(f"checkpoint {folder}: {path.name} cannot be read ({type(e).__name__}: {detail}); "
+                                "move that folder aside to resume from the checkpoint before it, or drop --resume "
+                                "to start over") from e
 
 
 def write_state(folder: Path, position: Position, rank: int, settings: dict | None = None) -> None:

@@ -61,8 +61,8 @@ class SkipTally:
                    f"so far, limit {self.limit}; 02_extract_hidden_states.py --verify redoes them)", file=sys.stderr)
         if len(self.skipped) > self.limit:
             raise PipelineError(f"{len(self.skipped)} of {self.total:,} {self.what} could not be used (more than the "
-                                f"limit of {self.limit}), the last {path}: {reason}; run "
-                                "02_extract_hidden_states.py --verify to redo them. Checkpoints written so far are kept")
+                                f"limit of {self.limit}), the last {path}: {reason}; run 02_extract_hidden_states.py "
+                                "--verify to redo them. Checkpoints written so far are kept")
 
     def add_batch(self, entries: list[tuple[str, str]]) -> None:
         for path, reason in entries:

@@ -6,7 +6,15 @@ import torch
 from datasets import Dataset
 
 from common.hidden_states import files as state_files
-from common.hidden_states.files import Journal, file_digest, find_done, ids_digest, journal_path, sample_path, save_sample
+from common.hidden_states.files import (
+    Journal,
+    file_digest,
+    find_done,
+    ids_digest,
+    journal_path,
+    sample_path,
+    save_sample,
+)
 
 HIDDEN = 8
 ROWS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
