@@ -21,7 +21,6 @@ from common.data.conversations import (
 from common.data.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
 from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
 from common.data.prepared_dataset import COLUMNS, PrepareReport, load_prepared
-from common.defaults import REPO_ROOT, demo_inputs
 from common.errors import PipelineError
 from common.fixtures.targets import FLAT_CHAT_TEMPLATE
 from tests.conftest import run_script
@@ -528,12 +527,6 @@ def test_bad_flag_values(kimi_target, demo_conversations, tmp_path):
                          ("--max-samples", {"max_samples": 0})):
         with pytest.raises(PipelineError, match=flag):
             _prepare(kimi_target, [demo_conversations], tmp_path / "out", **kwargs)
-
-
-def test_demo_inputs_are_every_shipped_demo_file():
-    names = [p.name for p in demo_inputs()]
-    assert {"demo_conversations.jsonl", "demo_agentic.jsonl"} <= set(names) and names == sorted(names)
-    assert all(p.parent == REPO_ROOT / "data" and p.name.startswith("demo_") for p in demo_inputs())
 
 
 def test_demo_agentic_data_is_clean_and_agentic(demo_conversations):

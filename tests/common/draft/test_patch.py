@@ -95,6 +95,28 @@ def test_kimi_target_patched_reads_only_its_two_tensors(kimi_target, monkeypatch
     assert model.embed_tokens.padding_idx == 163839  # Kimi's [PAD], from text_config
 
 
+def test_drafts_share_one_read_of_the_target_inside_the_block(kimi_target, monkeypatch):
+    """05 builds up to three drafts on one target: inside `target_weights_read_once` the embedding
+    and lm_head are read once and every draft gets the same values; outside, each build reads."""
+    requested = []
+
+    def spy(path, names):
+        requested.append(list(names))
+        return read_tensors(path, names)
+
+    monkeypatch.setattr(patch, "read_tensors", spy)
+    with patch.target_weights_read_once():
+        drafts = [make_draft(kimi_target) for _ in range(3)]
+    assert len(requested) == 1
+    for draft in drafts[1:]:
+        assert torch.equal(draft.embed_tokens.weight, drafts[0].embed_tokens.weight)
+        assert torch.equal(draft.verifier_lm_head.weight, drafts[0].verifier_lm_head.weight)
+    drafts[1].lm_head.weight.data.add_(1.0)  # a trainable copy each: one draft's change stays its own
+    assert not torch.equal(drafts[1].lm_head.weight, drafts[0].lm_head.weight)
+    make_draft(kimi_target)
+    assert len(requested) == 2  # nothing kept after the block
+
+
 def test_library_checks_are_kept(kimi_target):
     with pytest.raises(TargetError, match="hidden size 64 does not match the draft's hidden size 32"):
         make_draft(kimi_target, DraftShape(**{**SHAPE.__dict__, "hidden_size": 32, "head_dim": 8}))
