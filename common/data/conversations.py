@@ -18,7 +18,8 @@ two forms; an optional `id` names it, else it is named `<file>:<line>` (JSONL, f
 A file that cannot be read at all is a `PipelineError` naming it; one bad record is a
 `Rejection` with a reason, so the caller skips and counts it and the run goes on. A malformed
 tool call (no id, no function name, arguments neither an object nor JSON text) is skipped and
-its reason kept on the conversation (`Conversation.skipped_tool_calls`); the rest is used.
+its reason kept on the conversation (`Conversation.skipped_tool_calls`), and the tool result that
+answers it goes with it (counted as `result_of_skipped_call`); the rest is used.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ NON_STRING_CONTENT = "non_string_content"
 TOOL_CALL_NO_ID = "no_id"
 TOOL_CALL_BAD_ARGUMENTS = "arguments_not_json"
 TOOL_CALL_MALFORMED = "no_function_name"
+TOOL_RESULT_OF_SKIPPED_CALL = "result_of_skipped_call"  # a tool result dropped with its malformed call
 
 
 @dataclass(frozen=True)
@@ -339,10 +341,13 @@ class _Builder:
         self.messages: list[Message] = []
         self.media = 0
         self.skipped: list[str] = []
-        self.pending_ids: list[str] = []  # ShareGPT: calls whose observation has not come yet
+        self.pending_ids: list[str | None] = []  # ShareGPT: calls whose observation has not come yet (None: skipped)
+        self.skipped_ids: set[str] = set()  # OpenAI: ids of calls skipped as malformed
         self.calls = 0
 
     def calls_from(self, raw: Any, default_ids: bool) -> tuple[ToolCall, ...]:
+        """The well-formed calls of `raw`; ShareGPT's call ids (None for a skipped call) are queued
+        for the observations that follow, in order."""
         calls = []
         for call in raw if isinstance(raw, list) else [raw]:
             function = call.get("function", call) if isinstance(call, dict) else None
@@ -351,10 +356,19 @@ class _Builder:
             parsed = _tool_call(call, default_id)
             if isinstance(parsed, str):
                 self.skipped.append(parsed)
+                if isinstance(call, dict) and isinstance(call.get("id"), str):
+                    self.skipped_ids.add(call["id"])
             else:
                 calls.append(parsed)
                 self.calls += 1
+            if default_ids:
+                self.pending_ids.append(None if isinstance(parsed, str) else parsed.id)
         return tuple(calls)
+
+    def drop_result(self) -> None:
+        """A tool result whose call was skipped goes with it (counted with the skipped calls): it
+        would answer a call the rendered conversation does not hold."""
+        self.skipped.append(TOOL_RESULT_OF_SKIPPED_CALL)
 
     def add(self, role: Any, content: Any, reasoning: Any = None, *, name: Any = None, tool_call_id: Any = None,
             tool_calls: tuple[ToolCall, ...] = (), had_calls: bool = False) -> Rejection | None:
@@ -383,6 +397,9 @@ class _Builder:
 
 
 def _openai_turn(builder: _Builder, m: dict) -> Rejection | None:
+    if m.get("role") == "tool" and m.get("tool_call_id") in builder.skipped_ids:
+        builder.drop_result()
+        return None
     calls = builder.calls_from(m["tool_calls"], default_ids=False) if m.get("tool_calls") else ()
     reasoning = m.get("reasoning_content", m.get("reasoning"))
     return builder.add(m.get("role"), m.get("content"), reasoning, name=m.get("name"),
@@ -403,13 +420,17 @@ def _sharegpt_turn(builder: _Builder, m: dict) -> Rejection | None:
         calls = builder.calls_from(raw, default_ids=True) if isinstance(raw, (dict, list)) else ()
         if raw is None or not isinstance(raw, (dict, list)):
             builder.skipped.append(TOOL_CALL_BAD_ARGUMENTS)
-        builder.pending_ids += [c.id for c in calls]
+            builder.pending_ids.append(None)
         last = builder.messages[-1] if builder.messages else None
         if last is not None and last.role == "assistant" and not last.tool_calls:
             builder.messages[-1] = replace(last, tool_calls=calls)
             return None
         return builder.add("assistant", "", tool_calls=calls, had_calls=True)
     if role in SHAREGPT_RESULT_TURNS:
+        if builder.pending_ids and builder.pending_ids[0] is None:  # the result of a skipped call
+            builder.pending_ids.pop(0)
+            builder.drop_result()
+            return None
         call_id = builder.pending_ids.pop(0) if builder.pending_ids else None
         return builder.add("tool", value, tool_call_id=call_id)
     return builder.add(role, value)

@@ -38,7 +38,7 @@ from common.data.conversations import (
 from common.data.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
 from common.data.prepared_dataset import COLUMNS, PrepareReport
 from common.errors import PipelineError
-from common.target.config import load_target_info
+from common.target.config import load_target_info, target_digest
 from common.target.tokenizer import load_tokenizer
 
 __all__ = ["PrepareOptions", "DropLog", "prepare", "summary_lines", "warning_lines"]
@@ -101,7 +101,7 @@ def prepare(options: PrepareOptions) -> PrepareReport:
     report = PrepareReport(target=info.path, tokenizer=type(tokenizer).__name__, vocab_size=info.vocab_size,
                            chat_template_sha256=template_sha256(tokenizer), max_len=options.max_len,
                            inputs=[str(p) for p in options.inputs], max_samples=options.max_samples,
-                           seed=options.seed, rendering=masker.describe())
+                           seed=options.seed, rendering=masker.describe(), target_digest=target_digest(info.path))
     drops = DropLog()
     options.output.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{options.output.name}.scratch.", dir=options.output.parent))

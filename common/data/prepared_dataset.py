@@ -17,6 +17,7 @@ from datasets import load_from_disk
 
 from common.atomic import read_json, write_json
 from common.errors import PipelineError
+from common.target.config import target_digest
 
 FORMAT_VERSION = 1
 REPORT_FILE = "prepare_report.json"
@@ -55,6 +56,7 @@ class PrepareReport:
     tool_calls_skipped: dict[str, int] = field(default_factory=dict)  # malformed calls skipped, by reason
     tool_call_examples: dict[str, str] = field(default_factory=dict)  # reason -> first sample
     media_parts_dropped: int = 0  # image/audio/video content parts left out of the text (all read)
+    target_digest: str = ""  # common/target/config.py: the target by what it is; "" in earlier versions
     format_version: int = FORMAT_VERSION
 
     def save(self, folder: str | Path) -> None:
@@ -79,7 +81,12 @@ def check_prepared_target(report: PrepareReport, folder: str | Path, target: str
         raise PipelineError(f"prepared dataset {folder} was made for a vocabulary of {report.vocab_size} "
                             f"(target {report.target}), but target {target} has {target_vocab}; "
                             "re-run 01_prepare_data.py with this target")
-    if Path(report.target).resolve() != Path(target).resolve():
+    if report.target_digest:  # the same checkpoint moved or copied elsewhere is the same target
+        if report.target_digest != target_digest(target):
+            raise PipelineError(f"prepared dataset {folder} was made with target {report.target}, not with the "
+                                f"given target {target} (their config.json or weight index differ); re-run "
+                                "01_prepare_data.py with this target")
+    elif Path(report.target).resolve() != Path(target).resolve():
         raise PipelineError(f"prepared dataset {folder} was made with target {report.target}, "
                             f"not with the given target {target}; re-run 01_prepare_data.py with this target")
 

@@ -9,6 +9,7 @@ pipeline that reads the target goes through this package, so both shapes work ev
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,23 @@ def _text_architecture(path: str | Path, text: PretrainedConfig) -> str:
 def _quantization_dict(config: PretrainedConfig) -> dict | None:
     raw = getattr(config, "quantization_config", None)
     return raw.to_dict() if hasattr(raw, "to_dict") else raw
+
+
+def target_digest(path: str | Path) -> str:
+    """What a target is, not where it lies (16 hex characters): a digest of its `config.json` and
+    its weight index (for a single weights file, its safetensors header: names, dtypes, shapes,
+    offsets). A folder moved to another disk or copied keeps it; another checkpoint of other
+    shapes or settings has another. (Two checkpoints alike in every shape, e.g. fine-tunes of one
+    base, share it: telling them apart would mean reading the weights.)"""
+    path, digest = Path(path), hashlib.sha256()
+    for name in ("config.json", INDEX_FILE):
+        if (path / name).is_file():
+            digest.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
+    if not (path / INDEX_FILE).is_file() and (path / SINGLE_FILE).is_file():
+        with (path / SINGLE_FILE).open("rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header_size, 100 << 20)))
+    return digest.hexdigest()[:16]
 
 
 def weight_map(path: str | Path) -> dict[str, str]:
