@@ -798,7 +798,8 @@ def check_outcome(fault: Fault, ws: Workspace, proc: subprocess.CompletedProcess
         assert re.search(pattern, last), f"last stderr line: {last!r}\n{output}"
     kept = {p: h for p, h in before.items() if not is_temporary(p)}  # a rerun may clean temporaries up
     lost = sorted(p for p in set(kept) - set(after) if not moved_unchanged(p, kept[p], after, fault.moved_to))
-    changed = sorted(p for p in kept if p in after and kept[p] != after[p] and not matches(p, fault.may_change))
+    changed = sorted(p for p in kept if p in after and kept[p] != after[p] and not matches(p, fault.may_change)
+                     and not moved_unchanged(p, kept[p], after, fault.moved_to))
     added = sorted(p for p in set(after) - set(before) if not is_temporary(p) and not matches(p, fault.may_add))
     assert not lost, f"files lost: {lost}"
     assert not changed, f"files changed: {changed}"

@@ -91,15 +91,15 @@ def check_prepared_target(report: PrepareReport, folder: str | Path, target: str
                             f"not with the given target {target}; re-run 01_prepare_data.py with this target")
 
 
-def _unreadable_shard(folder: Path) -> str:
-    """The first Arrow data file of `folder` that pyarrow cannot read through, by name."""
+def _unreadable_shard(folder: Path) -> str | None:
+    """The first Arrow data file of `folder` that pyarrow cannot read through, by name (None: all read)."""
     for path in sorted(folder.glob("*.arrow")):
         try:
             with pa.memory_map(str(path)) as source:
                 pa.ipc.open_stream(source).read_all()
         except (OSError, pa.ArrowException):
             return path.name
-    return "an Arrow data file"
+    return None
 
 
 def load_prepared(folder: str | Path):
@@ -110,13 +110,14 @@ def load_prepared(folder: str | Path):
     report = PrepareReport.load(folder)
     try:
         ds = load_from_disk(str(folder))
-    except (FileNotFoundError, ValueError) as e:
-        raise PipelineError(f"prepared dataset {folder}: not a saved Hugging Face dataset: {e}") from e
     except IndexError as e:  # datasets cannot load a dataset saved with no rows (no data shards)
         raise PipelineError(f"prepared dataset {folder}: it holds no samples (no data shards)") from e
-    except OSError as e:  # pyarrow's error for a data file cut short names no file
-        raise PipelineError(f"prepared dataset {folder}: {_unreadable_shard(folder)} cannot be read ({e}); "
-                            "run 01_prepare_data.py again") from e
+    except (OSError, ValueError) as e:  # pyarrow's errors for a data file cut short name no file
+        shard = _unreadable_shard(folder)
+        if shard is not None:
+            raise PipelineError(f"prepared dataset {folder}: {shard} cannot be read ({e}); run 01_prepare_data.py "
+                                "again") from e
+        raise PipelineError(f"prepared dataset {folder}: not a saved Hugging Face dataset: {e}") from e
     missing = [c for c in COLUMNS if c not in ds.column_names]
     if missing:
         raise PipelineError(f"prepared dataset {folder}: columns {missing} missing")
