@@ -72,7 +72,6 @@ IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_laye
                    "layer_ids", "last_state", "storage", "dtype", "format_version")
 DIGEST_CHARS = 16  # hex characters of a journal's ids digest
 FILE_DIGEST_CHARS = 32  # hex characters of a journal's file digest
-JOURNAL_LINE = re.compile(rf"(\d+) (\d+) ([0-9a-f]{{{DIGEST_CHARS}}})(?: ([0-9a-f]{{{FILE_DIGEST_CHARS}}}))?", re.ASCII)
 PACKAGES = ("torch", "transformers", "speculators", "datasets")
 
 
@@ -210,7 +209,7 @@ def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 
     done = {i for i in listed if (os.stat(existing[i]).st_size, digests[i]) in journal[i]}
     damaged: set[int] = set()
     if verify:
-        done, damaged = _verified(existing, journal, digests, done)
+        done, damaged = _verified(existing, recorded_file_digests(root), digests, done)
         for i in damaged:
             os.unlink(existing[i])
     unsure = {i: Path(existing[i]) for i in candidates if i not in done and i not in damaged}
@@ -218,17 +217,17 @@ def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 
     return done | checked, redo + len(damaged)
 
 
-def _verified(existing: dict[int, str], journal: dict[int, dict[tuple[int, str], str]], digests: dict[int, str],
+def _verified(existing: dict[int, str], recorded: dict[tuple[int, int, str], str], digests: dict[int, str],
               listed: set[int]) -> tuple[set[int], set[int]]:
     """(files among `listed` whose bytes still have the digest recorded when they were written,
     those whose bytes do not). A file without a recorded digest (a journal of an earlier
     version) is in neither: the caller loads and checks it like a file no journal lists."""
     good, damaged = set(), set()
     for i in tqdm(sorted(listed), desc="verify", unit="file", disable=len(listed) < 1000):
-        recorded = journal[i][(os.stat(existing[i]).st_size, digests[i])]
-        if recorded and file_digest(existing[i]) == recorded:
+        digest = recorded.get((i, os.stat(existing[i]).st_size, digests[i]))
+        if digest and file_digest(existing[i]) == digest:
             good.add(i)
-        elif recorded:
+        elif digest:
             tqdm.write(f"--verify: {existing[i]} no longer has the digest recorded when it was written; redoing it")
             damaged.add(i)
     return good, damaged
@@ -342,18 +341,32 @@ class Journal:
         self.close()
 
 
-def read_journals(root: Path) -> dict[int, dict[tuple[int, str], str]]:
-    """Index -> {(file size, ids digest): file digest ("" where not recorded)} of every line any
-    journal in `root` lists for it. Lines cut short or garbled (a kill, a damaged disk; bytes that
-    are not UTF-8 included) are left out: those files are checked the slow way."""
-    records: dict[int, dict[tuple[int, str], str]] = {}
+def read_journals(root: Path) -> dict[int, set[tuple[int, str]]]:
+    """Index -> every (file size, ids digest) any journal in `root` lists for it."""
+    records: dict[int, set[tuple[int, str]]] = {}
+    for index, size, ids, _data in _journal_lines(root):
+        records.setdefault(index, set()).add((size, ids))
+    return records
+
+
+def recorded_file_digests(root: Path) -> dict[tuple[int, int, str], str]:
+    """(index, file size, ids digest) -> the file digest recorded when it was written, for the
+    journal lines that carry one (02 --verify)."""
+    return {(index, size, ids): data for index, size, ids, data in _journal_lines(root) if data}
+
+
+def _journal_lines(root: Path) -> Iterator[tuple[int, int, str, str]]:
+    """(index, file size, ids digest, file digest or "") of each well-formed line of the journals
+    in `root`. Lines cut short or garbled (a kill, a damaged disk; bytes that are not UTF-8
+    included) are left out: those files are checked the slow way."""
     for path in root.glob("extract_journal_*.txt"):
         for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-            match = JOURNAL_LINE.fullmatch(line)
-            if match is not None:
-                index, size, ids, data = match.groups()
-                records.setdefault(int(index), {})[(int(size), ids)] = data or ""
-    return records
+            fields = line.split(" ")  # split and length checks: faster than a regex at 500K lines
+            data = fields[3] if len(fields) == 4 else ""
+            numbers = fields[0] + fields[1] if len(fields) in (3, 4) else ""
+            if (numbers.isdigit() and numbers.isascii() and len(fields[2]) == DIGEST_CHARS
+                    and len(data) in (0, FILE_DIGEST_CHARS)):
+                yield int(fields[0]), int(fields[1]), fields[2], data
 
 
 def row_digests(ds, indices: list[int], chunk: int = 10_000) -> dict[int, str]:
