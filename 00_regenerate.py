@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     options = build_options(args, target, info)
     options.check()
     runtime = Runtime.from_args(args)
+    runtime.check_target(info)  # what vLLM cannot run here is refused now, not after its engine's start
     mode = "greedy" if options.temperature == 0 else f"temperature {options.temperature}, top-p {options.top_p}"
     print(f"target {target}, engine {options.engine}, {mode}, up to {options.max_new_tokens:,} new tokens per turn, "
           f"shard {options.shard_index} of {options.num_shards}, inputs {', '.join(map(str, options.inputs))}")

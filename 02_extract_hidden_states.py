@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_map(info.path)  # a folder without weights is refused before the output folder is touched
     layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
     runtime = Runtime.from_args(args)
+    runtime.check_target(info)  # what vLLM cannot run here is refused now, not after its engine's start
 
     # 2. The prepared samples, refused if their ids do not fit the target's vocabulary.
     ds, report = load_prepared(prepared_dir)

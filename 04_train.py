@@ -9,6 +9,7 @@ Usage:
     python 04_train.py                                   # default target and runs/default
     python 04_train.py --data RUN/hidden_states --vocab RUN/vocab --target DIR --output RUN \
         [--draft-config configs/draft_tiny.json] [--epochs 3] [--lr 2e-3] [--ttt-steps 3] [--save-every N]
+        [--optimizer muon|adamw] [--ttt-inputs dataset|draft] [--freeze-draft-lm-head] [--init normal|torch]
         [--resume]
     python 04_train.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN   # one GPU,
         # configs/draft_kimi_k25.json
@@ -42,50 +43,41 @@ from common.draft.model import (
     read_config_file,
     speculator_config,
 )
+from common.runtime import default_device
 from common.target.config import load_target_info
-from common.train.checkpoints import check_resumable, check_same_settings
+from common.train.checkpoints import check_resumable, check_same_settings, numbered
+from common.train.data import (
+    SPLIT_FILE,
+    check_data_fits,
+    epoch_tokens,
+    load_hidden_states,
+    make_loader,
+    split_data,
+    split_record,
+)
 from common.train.distributed import setup_distributed, teardown_distributed
+from common.train.metrics import (
+    LOG_FILE,
+    PLOT_FILE,
+    MetricsLog,
+    TrainReport,
+    best_validation,
+    last_validation,
+    metrics_logging,
+    read_log,
+)
+from common.train.settings import TrainSettings, flag_specs
 from common.train.trainer import (
     CHECKPOINTS,
     DRAFT,
-    LOG_FILE,
-    PLOT_FILE,
-    SPLIT_FILE,
-    MetricsLog,
     ProjectTrainer,
-    TrainReport,
-    TrainSettings,
-    best_validation,
-    check_data_fits,
-    checkpoint_epochs,
-    epoch_tokens,
-    last_validation,
-    load_hidden_states,
-    make_loader,
-    metrics_logging,
     prepare_checkpoints,
-    read_log,
-    split_data,
-    split_record,
+    prepare_draft,
     trainer_config,
 )
 from common.vocab import load_vocab
 
-TRAINING_FLAGS = {  # flag -> (type, help); each overrides the config file's `training` value
-    "epochs": (int, "training epochs"),
-    "lr": (float, "peak learning rate"),
-    "ttt_steps": (int, "draft tokens trained per position (test-time-training steps)"),
-    "ttt_step_loss_decay": (float, "weight of TTT step k's loss is decay**k"),
-    "val_ratio": (float, "share of samples held out for validation (0: none)"),
-    "noise_std": (float, "uniform noise on the auxiliary states, half-width (0: off)"),
-    "total_seq_len": (int, "tokens packed into one training sequence per rank"),
-    "scheduler": (str, "learning-rate schedule: linear, cosine or none"),
-    "warmup_steps": (int, "warm-up steps (default: 1%% of all steps)"),
-    "num_workers": (int, "data-loader worker processes"),
-    "seed": (int, "seed of the split, the packing order and the draft's initialisation"),
-    "save_every": (int, "optimizer steps between step checkpoints in checkpoints/steps/ (the last 2 are kept; "
-                        "0: at the end of each epoch only)"),
-}
+TRAINING_FLAGS = flag_specs()  # one flag per TrainSettings field; each overrides the config file's value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,8 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--preset", type=Path, default=None,
                           help="run preset of configs/presets/ (10, 1000 or 500K samples): its training values "
                                "override the config file's, flags override both")
-    for name, (kind, text) in TRAINING_FLAGS.items():
-        training.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
+    for name, spec in TRAINING_FLAGS.items():
+        training.add_argument("--" + name.replace("_", "-"), **spec)
     training.add_argument("--resume", action="store_true",
                           help="continue from the latest checkpoint in OUTPUT (epoch or step)")
     training.add_argument("--device", default="auto",
@@ -113,14 +105,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--no-compile", action="store_true",
                           help="run the draft's forward eagerly on GPU too (it is always eager on CPU)")
     return parser.parse_args(argv)
-
-
-def resolve_device(flag: str, local_rank: int, distributed: bool) -> torch.device:
-    if distributed:  # one GPU per rank; on a machine without GPUs, the CPU (gloo)
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if flag == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(flag)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.preset)
     for line in overrides:
         say(line)
-    device = resolve_device(args.device, local_rank, distributed)
+    device = torch.device(default_device(None if distributed else args.device))  # torchrun: one GPU per rank
     patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile)
     output = Path(args.output or args.run_dir)
     data_dir, vocab_dir = stage_dir(args, "hidden_states", args.data), stage_dir(args, "vocab", args.vocab)
@@ -160,10 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside
     torch.manual_seed(settings.seed)
     model = build_draft(config, vocab.t2d, vocab.d2t)
+    prepare_draft(model, settings)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     say(f"draft: {config.transformer_layer_config.num_hidden_layers} layer(s), hidden {info.hidden_size}, "
         f"draft vocabulary {vocab.d2t.numel():,} of {info.vocab_size:,}, {params:,} trainable parameters, "
         f"aux layers {data.config.layer_ids}, rope theta {config.transformer_layer_config.rope_theta}, on {device}")
+    say(f"recipe: {settings.optimizer}" + (f" (Muon lr {settings.muon_lr or settings.lr:g}, AdamW lr {settings.lr:g})"
+                                             if settings.optimizer == "muon" else f" (lr {settings.lr:g})")
+        + f", TTT steps fed the {'dataset' if settings.ttt_inputs == 'dataset' else 'draft'}'s tokens, init "
+        f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}")
 
     # 4. data: the library's split, dataset, noise, packing sampler and collate
     train_files, val_files = split_data(data, settings.val_ratio, settings.seed)
@@ -186,14 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     with metrics_logging(log):
         trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume, distributed,
                                                        device),
-                                 train_loader, val_loader, log, resume, settings.save_every, vars(settings))
+                                 settings, train_loader, val_loader, log, resume)
         trainer.run_training()
     teardown_distributed()
     if not is_main:
         return 0
 
     # 6. export the best checkpoint by validation simulated acceptance length (the last without validation)
-    epochs = checkpoint_epochs(output / CHECKPOINTS)
+    epochs = numbered(output / CHECKPOINTS)
     records = read_log(output / LOG_FILE)
     best = best_validation(records, epochs)
     chosen = best.epoch if best else epochs[-1]

@@ -57,7 +57,7 @@ from common.runtime import Runtime, add_runtime_args
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer
-from common.train.trainer import load_hidden_states
+from common.train.data import load_hidden_states
 from common.vllm.client import EngineSettings
 
 

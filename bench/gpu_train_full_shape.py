@@ -30,7 +30,8 @@ from common.draft import patch  # noqa: E402
 from common.draft.model import KIMI_CONFIG, build_draft, read_config_file, speculator_config  # noqa: E402
 from common.fixtures.targets import KIMI_TEXT_CONFIG, KIMI_VOCAB_SIZE  # noqa: E402
 from common.target.config import load_target_info  # noqa: E402
-from common.train.trainer import TrainSettings, trainer_config  # noqa: E402
+from common.train.settings import TrainSettings  # noqa: E402
+from common.train.trainer import trainer_config  # noqa: E402
 from common.vocab import build_maps  # noqa: E402
 
 WARMUP_STEPS = 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,9 @@ import torch
 
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.errors import PipelineError
+from common.target.config import TargetInfo
 from common.target.device_plan import check_placement_flags
-from common.vllm.client import check_vllm_python
+from common.vllm.client import check_servable, check_vllm_python, vllm_device
 
 # --dtype of the stages that run the target (00, 02, 05)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -60,6 +62,13 @@ class Runtime:
     def primary_device(self) -> torch.device:
         """Where inputs and a small model (the draft) go: the device, or the first GPU of a map."""
         return torch.device(self.device or "cuda:0")
+
+    def check_target(self, info: TargetInfo, drafts: Iterable[Path] = ()) -> None:
+        """Refuse now, before anything heavy, a target (alone, and with each draft) that the vLLM
+        engine this runtime starts cannot run on this host; every engine start checks it again."""
+        if self.vllm and not self.vllm_url:
+            for draft in [None, *drafts]:
+                check_servable(info, vllm_device(), draft)
 
     def describe(self) -> str:
         if self.vllm:

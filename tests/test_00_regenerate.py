@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import assert_same_turns, read_regenerated, run_script, vllm_server
 
 from common.data.conversations import Conversation, Message, ToolCall, to_conversation
 from common.data.prepare import PrepareOptions, prepare
@@ -66,16 +66,12 @@ def regenerated(kimi, kimi_target, tmp_path_factory) -> tuple[Path, dict]:
     return out, regenerate(options, kimi[2], engine_of(kimi, 3))
 
 
-def read_output(folder: Path) -> list[dict]:
-    return [json.loads(line) for p in sorted(folder.glob("*.jsonl")) for line in p.read_text().splitlines()]
-
-
 def test_regenerated_turns_are_the_targets_greedy_generations(kimi, regenerated):
     """Each assistant turn, rendered back as the target emitted it, equals plain greedy decoding of
     the target (batch of one, no padding) from the regenerated history before it."""
     _, model, tokenizer, stops = kimi
     out, report = regenerated
-    records = read_output(out)
+    records = read_regenerated(out)
     assert report["regenerated"] == len(records) > 0 and report["assistant_turns_regenerated"] >= len(records)
     checked = 0
     for record in records:
@@ -98,7 +94,7 @@ def test_regenerated_turns_are_the_targets_greedy_generations(kimi, regenerated)
 def test_01_masks_cover_exactly_the_assistant_turns(kimi, kimi_target, regenerated, tmp_path):
     _, _, tokenizer, _ = kimi
     out, _ = regenerated
-    records = {r["id"]: r for r in read_output(out)}
+    records = {r["id"]: r for r in read_regenerated(out)}
     prepare(PrepareOptions(inputs=[out], target=kimi_target, output=tmp_path / "prepared", trust_remote_code=True))
     ds, report = load_prepared(tmp_path / "prepared")
     assert report.samples_kept == len(records)  # regenerate_report.json is not read as conversations
@@ -149,9 +145,9 @@ def test_resume_after_sigkill_neither_repeats_nor_loses(kimi_target, regenerated
 
     run_script(SCRIPT, *script_args(kimi_target, out), env=ONE_THREAD)
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.jsonl") if p.name in finished} == finished
-    ids = [r["id"] for r in read_output(out)]
+    ids = [r["id"] for r in read_regenerated(out)]
     assert len(ids) == len(set(ids))
-    assert read_output(out) == read_output(reference)
+    assert read_regenerated(out) == read_regenerated(reference)
     resumed = json.loads((out / "regenerate_report.json").read_text())
     assert resumed["parts_resumed"] == len(finished)
     for key in ("records_read", "regenerated", "dropped", "generations", "generated_tokens"):
@@ -173,7 +169,7 @@ def test_bad_rows_are_skipped_and_counted_and_every_format_is_read(kimi, kimi_ta
     assert report["records_read"] == 5
     assert report["dropped"] == {"malformed_record": 2, "no_assistant_turn": 1}
     assert report["regenerated"] == 2
-    assert [r["id"] for r in read_output(tmp_path / "out")] == [f"{data}:1", f"{data}:5"]
+    assert [r["id"] for r in read_regenerated(tmp_path / "out")] == [f"{data}:1", f"{data}:5"]
 
 
 def test_a_resumed_run_with_other_settings_is_refused(kimi, kimi_target, regenerated):
@@ -243,17 +239,7 @@ VLLM_COMMON = ["--max-new-tokens", 32, "--max-samples", 10, "--temperature", 0, 
 def hf_bf16(flat_target, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf_bf16") / "out"
     run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, env=ONE_THREAD)
-    return read_output(out)
-
-
-def assert_same_turns(hf: list[dict], served: list[dict]) -> None:
-    """vLLM's CPU kernels and transformers' differ in rounding: a near-tie may break differently,
-    so at most one turn in ten may differ."""
-    assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
-    turns = [(a, b) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
-             if a["role"] == "assistant"]
-    differ = [(a, b) for a, b in turns if a != b]
-    assert len(differ) <= len(turns) // 10, differ
+    return read_regenerated(out)
 
 
 @pytest.mark.vllm
@@ -263,7 +249,7 @@ def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_p
     """Both engines in bf16 on the flat miniature, greedy: the same conversations, turns and texts."""
     run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", tmp_path, "--engine", "vllm",
                "--vllm-python", vllm_python, env=ONE_THREAD)
-    assert_same_turns(hf_bf16, read_output(tmp_path))
+    assert_same_turns(hf_bf16, read_regenerated(tmp_path))
     report = json.loads((tmp_path / "regenerate_report.json").read_text())
     assert report["settings"]["engine"] == "vllm" and report["generations"] >= 10
 
@@ -272,33 +258,8 @@ def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_p
 @pytest.mark.slow
 def test_a_vllm_server_given_by_url_regenerates_the_same(vllm_python, flat_target, hf_bf16, tmp_path):
     """`vllm serve` started apart (its OpenAI API), 00 with --vllm-url: token ids in and out."""
-    import socket
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = (tmp_path / "serve.log").open("w")
-    serve = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(flat_target),
-             "--dtype", "bfloat16", "--max-model-len", "512", "--port", str(port),
-             "--kv-cache-memory-bytes", str(1 << 30), "--no-enable-prefix-caching"]
-    server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD},
-                              start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
+    with vllm_server(vllm_python, flat_target, tmp_path / "serve.log") as url:
         out = tmp_path / "out"
         run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, "--engine", "vllm",
                    "--vllm-url", url, "--max-in-flight", 4, env=ONE_THREAD)
-        assert_same_turns(hf_bf16, read_output(out))
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=120)
-        log.close()
+        assert_same_turns(hf_bf16, read_regenerated(out))

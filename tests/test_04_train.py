@@ -10,7 +10,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -19,10 +18,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import run_script
+from conftest import run_script, write_hidden_states, write_vocab_folder
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -36,24 +34,15 @@ from common.draft.model import (
     load_draft,
     read_config_file,
     read_saved_config,
-    speculator_config,
 )
 from common.errors import PipelineError
-from common.hidden_states.files import SAMPLE_LENGTHS, DataConfig, save_sample
 from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
 from common.train import checkpoints
-from common.train.trainer import (
-    TrainSettings,
-    best_validation,
-    evaluate,
-    load_hidden_states,
-    make_loader,
-    read_log,
-    simulated_acceptance_length,
-    split_data,
-)
-from common.vocab import build_maps, load_vocab
+from common.train.data import load_hidden_states, make_loader, split_data
+from common.train.metrics import read_log, simulated_acceptance_length, validation_metrics
+from common.train.settings import TrainSettings
+from common.vocab import load_vocab
 
 SCRIPT = "04_train.py"
 SEQ = 512  # --total-seq-len of the test runs: short sequences, many optimizer steps
@@ -176,7 +165,7 @@ def test_quality_bar_beats_untrained_draft_and_most_frequent_token(trained):
     vocab = load_vocab(trained.run / "vocab")
     torch.manual_seed(0)
     untrained = build_draft(config, vocab.t2d, vocab.d2t)
-    untrained_acc = evaluate(untrained, val.loader, torch.device("cpu"), val.settings)["full_acc_0"]
+    untrained_acc = validation_metrics(untrained, val.loader, torch.device("cpu"), val.settings)["full_acc_0"]
     baseline_acc = most_frequent_token_accuracy(untrained.verifier_lm_head, val.train_loader, val.loader)
 
     records = read_log(trained.run / "train_log.jsonl")
@@ -239,7 +228,7 @@ def test_exported_draft_is_speculators_format(trained):
 def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     val = validation_data(trained)
     cpu = torch.device("cpu")
-    reloaded = evaluate(load_draft(trained.run / "draft", trust_remote_code=True), val.loader, cpu, val.settings)
+    reloaded = validation_metrics(load_draft(trained.run / "draft", trust_remote_code=True), val.loader, cpu, val.settings)
 
     # the exported checkpoint (the best by validation simulated acceptance length, saved in fp32), built
     # the library's way
@@ -256,7 +245,7 @@ def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     for name, tensor in model.state_dict().items():  # the export's one change: bf16
         if tensor.is_floating_point() and name not in NOT_EXPORTED:
             tensor.copy_(tensor.to(torch.bfloat16))
-    assert reloaded == evaluate(model, val.loader, cpu, val.settings)
+    assert reloaded == validation_metrics(model, val.loader, cpu, val.settings)
 
     logged = next(r["val"] for r in vals if r["epoch"] == best["epoch"])
     assert reloaded["loss"] == pytest.approx(logged["loss_epoch"], rel=0.02)  # trained in fp32, exported in bf16
@@ -275,115 +264,7 @@ def test_summary_and_report(trained):
     assert report["train_samples"] == 90 and report["val_samples"] == 10
 
 
-def test_best_validation_picks_the_highest_simulated_acceptance_length():
-    def record(epoch: int, acc: float) -> dict:
-        return {"epoch": epoch, "val": {"loss_epoch": 1.0, **{f"{m}_{k}_epoch": acc for m in ("full_acc", "cond_acc",
-                                                                                          "loss") for k in range(2)}}}
-
-    records = [record(0, 0.3), {"epoch": 0, "train": {}}, record(1, 0.6), record(2, 0.5), record(3, 0.6)]
-    assert best_validation(records, [0, 1, 2, 3]).epoch == 3  # a tie goes to the later epoch
-    assert best_validation(records, [0, 1, 2]).epoch == 1  # only epochs with a checkpoint
-    assert best_validation(records, [0, 1, 2]).acceptance_length == pytest.approx(1 + 0.6 + 0.36)
-    assert best_validation([{"epoch": 0, "train": {}}], [0]) is None
-
-
-def test_simulated_acceptance_length():
-    assert simulated_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert simulated_acceptance_length([1.0, 1.0]) == 3.0
-    assert simulated_acceptance_length([0.0, 0.9]) == 1.0
-
-
-# --- config files and settings ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").glob("draft_*.json")), ids=lambda p: p.name)
-def test_every_config_file_loads(path, kimi_target):
-    config_file = read_config_file(path)
-    settings, overrides = TrainSettings.resolve(config_file, {"lr": 0.5, "epochs": None})
-    assert settings.lr == 0.5 and len(overrides) == 1 and "--lr 0.5 overrides" in overrides[0]
-    info = load_target_info(kimi_target, trust_remote_code=True)
-    info = replace(info, hidden_size=config_file.model.hidden_size)  # the shape of the target it is for
-    config = speculator_config(config_file.model, info, config_file.model.draft_vocab_size or 32000, [2, 30, 58], 3)
-    layer = config.transformer_layer_config
-    assert layer.rope_theta == 50000.0 and layer.rope_scaling["rope_type"] == "yarn"  # copied from the target
-    assert layer.num_hidden_layers == 1
-
-
-def test_kimi_config_has_the_published_shape():
-    shape = read_config_file(KIMI_CONFIG).model
-    assert (shape.hidden_size, shape.num_attention_heads, shape.head_dim) == (7168, 64, 128)
-    assert shape.intermediate_size == 18432 and shape.draft_vocab_size == 32000 and shape.num_hidden_layers == 1
-
-
-@pytest.mark.parametrize("training, message", [
-    ({"epochs": "3"}, "epochs = '3' is not of type"),
-    ({"learning_rate": 0.1}, "unknown key(s) ['learning_rate']"),
-    ({"val_ratio": 1.0}, "--val-ratio 1.0: must be in [0, 1)"),
-    ({"scheduler": "step"}, "--scheduler step: must be one of linear, cosine, none"),
-])
-def test_bad_training_values_are_refused(tmp_path, training, message):
-    data = json.loads(TINY_CONFIG.read_text())
-    data["training"].update(training)
-    (tmp_path / "c.json").write_text(json.dumps(data))
-    with pytest.raises(PipelineError) as error:
-        TrainSettings.resolve(read_config_file(tmp_path / "c.json"), {})
-    assert message in str(error.value)
-
-
-@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "presets").glob("*.json")), ids=lambda p: p.name)
-def test_every_preset_loads_and_sits_between_config_and_flags(path):
-    preset = json.loads(path.read_text())["training"]
-    settings, overrides = TrainSettings.resolve(read_config_file(KIMI_CONFIG), {"epochs": 7}, path)
-    for name, value in preset.items():
-        assert getattr(settings, name) == (7 if name == "epochs" else value)
-    assert any(line.startswith(f"preset {path}: ") for line in overrides)
-    assert overrides[-1].startswith("--epochs 7 overrides")
-
-
-def test_presets_cover_the_three_run_sizes():
-    names = {p.stem for p in (REPO_ROOT / "configs" / "presets").glob("*.json")}
-    assert names == {"smoke_10", "local_1000", "full_500k"}
-
-
-def test_bad_preset_is_refused(tmp_path):
-    (tmp_path / "p.json").write_text(json.dumps({"training": {"epoch": 2}}))
-    with pytest.raises(PipelineError, match=r"preset .*p.json \[training\]: unknown key"):
-        TrainSettings.resolve(read_config_file(TINY_CONFIG), {}, tmp_path / "p.json")
-
-
 # --- training on the flat target, in process ---------------------------------------------------
-
-
-def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
-                        length: int = 48, seed: int = 0, storage: str = "bf16") -> Path:
-    """A hidden-state folder as step 02 writes it, with random states (for checks and plumbing)."""
-    info = load_target_info(target, trust_remote_code=True)
-    hidden = hidden or info.hidden_size
-    g = torch.Generator().manual_seed(seed)
-    lengths = {}
-    for i in range(num_samples):
-        n = length + i % 7
-        ids = torch.randint(0, min(info.vocab_size, 3000), (n,), generator=g)
-        states, scales = STORAGES[storage].encode([torch.randn(n, hidden, generator=g) for _ in range(4)])
-        save_sample(folder, i, ids, states, torch.ones(n, dtype=torch.long), scales)
-        lengths[str(i)] = n
-    (folder / SAMPLE_LENGTHS).write_text(json.dumps(lengths))
-    DataConfig(target=info.path, architecture=info.architecture, text_architecture=info.text_architecture,
-               hidden_size=hidden, num_layers=info.num_layers, vocab_size=info.vocab_size,
-               layer_ids=info.default_layer_ids(), compute_dtype="float32", max_len=4096, prepared="test",
-               tokenizer="test", chat_template_sha256="0", sample_count=num_samples, storage=storage,
-               dtype=STORAGES[storage].dtype_name).save(folder)
-    return folder
-
-
-def write_vocab_folder(folder: Path, vocab_size: int, draft_vocab: int = 200) -> Path:
-    from common.vocab import make_report, write_vocab
-
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    counts[: draft_vocab * 2] = torch.arange(draft_vocab * 2, 0, -1)
-    d2t, t2d = build_maps(counts, draft_vocab)
-    write_vocab(folder, d2t, t2d, counts, make_report(counts, t2d, target="test", prepared="test", samples=1))
-    return folder
 
 
 def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
@@ -420,14 +301,6 @@ def test_trains_on_fp8_data_through_the_library_loader(tmp_path, kimi_target, ca
                      "--epochs", "1", "--total-seq-len", "128", "--val-ratio", "0.25")
     assert "simulated acceptance length" in capsys.readouterr().out
     assert (tmp_path / "out" / "draft" / "model.safetensors").is_file()
-
-
-def test_fp8_folder_with_bf16_files_is_refused(tmp_path, kimi_target):
-    data_dir = write_hidden_states(tmp_path / "hs", kimi_target, num_samples=3)
-    config = json.loads((data_dir / "data_config.json").read_text())
-    (data_dir / "data_config.json").write_text(json.dumps(config | {"storage": "fp8", "dtype": "float8_e4m3fn"}))
-    with pytest.raises(PipelineError, match="expected 4 float8_e4m3fn states of hidden size 64 with their scales"):
-        load_hidden_states(data_dir)
 
 
 # --- resuming mid-epoch equals an uninterrupted run --------------------------------------------
@@ -485,18 +358,22 @@ def assert_same_training(data: Path, whole: str, resumed: str, last_epoch: int) 
 
 
 @pytest.mark.slow
-def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target):
-    """Bitwise on CPU: same batches, fp32 weights and AdamW moments, the noise RNG restored."""
-    run_script(SCRIPT, *small_args(small_data, flat_target, "whole", "--epochs", "2"))
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target, optimizer):
+    """Bitwise on CPU, with either optimizer: same batches, fp32 weights and optimizer state
+    (Muon's momentum, AdamW's moments and step count), the noise RNG restored."""
+    whole, killed = f"whole-{optimizer}", f"killed-{optimizer}"
+    extra = ("--epochs", "2", "--optimizer", optimizer)
+    assert f"recipe: {optimizer}" in run_script(SCRIPT, *small_args(small_data, flat_target, whole, *extra)).stdout
     script = [sys.executable, REPO_ROOT / SCRIPT]
-    kill_after_step_checkpoint([*script, *small_args(small_data, flat_target, "killed", "--epochs", "2")],
-                               small_data / "killed" / "checkpoints" / "steps")
-    point = checkpoints.latest(small_data / "killed" / "checkpoints")
+    kill_after_step_checkpoint([*script, *small_args(small_data, flat_target, killed, *extra)],
+                               small_data / killed / "checkpoints" / "steps")
+    point = checkpoints.latest(small_data / killed / "checkpoints")
     assert point.skip_batches > 0 and point.epoch == 0  # killed in the middle of epoch 1
-    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, "killed", "--epochs", "2", "--resume")).stdout
+    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, killed, *extra, "--resume")).stdout
     assert "resuming after step checkpoint" in resumed
-    assert_same_training(small_data, "whole", "killed", last_epoch=1)
-    kept = checkpoints.numbered(small_data / "whole" / "checkpoints" / "steps")
+    assert_same_training(small_data, whole, killed, last_epoch=1)
+    kept = checkpoints.numbered(small_data / whole / "checkpoints" / "steps")
     assert kept == [55, 60]  # the last two of every 5th step, the epoch ends (32, 64) excepted
 
 
@@ -511,7 +388,7 @@ def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "x 2 rank(s)" in whole.stdout
+    assert "x 2 rank(s)" in whole.stdout and "recipe: muon" in whole.stdout  # Muon on FSDP-sharded matrices
     kill_after_step_checkpoint([*torchrun, *small_args(small_data, flat_target, "ranks2_killed", "--epochs", "1")],
                                small_data / "ranks2_killed" / "checkpoints" / "steps")
     assert checkpoints.latest(small_data / "ranks2_killed" / "checkpoints").skip_batches > 0
@@ -524,47 +401,6 @@ def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
     assert_same_training(small_data, "ranks2", "ranks2_killed", last_epoch=0)
     for rank in (0, 1):  # every rank's generators were saved
         assert (small_data / "ranks2_killed" / "checkpoints" / "0" / checkpoints.rng_file(rank)).is_file()
-
-
-def write_position(folder: Path, position: checkpoints.Position) -> Path:
-    folder.mkdir(parents=True)
-    checkpoints.write_state(folder, position, rank=0)
-    return folder
-
-
-def test_latest_checkpoint_is_the_furthest_step(tmp_path):
-    root = tmp_path / "checkpoints"
-    assert checkpoints.latest(root) is None
-    write_position(root / "0", checkpoints.Position(0, 32, 32, True))
-    write_position(root / "steps" / "30", checkpoints.Position(0, 30, 30, False))
-    point = checkpoints.latest(root)
-    assert (point.folder.name, point.epoch, point.skip_batches) == ("0", 1, 0)  # the later epoch end wins
-    write_position(root / "steps" / "40", checkpoints.Position(1, 8, 40, False))
-    point = checkpoints.latest(root)
-    assert (point.folder.name, point.epoch, point.skip_batches) == ("40", 1, 8)
-    (root / "1").mkdir()  # an epoch checkpoint of an earlier version: no position, continue after it
-    assert checkpoints.latest(root).folder.name == "40"  # unknown step loses to a known one
-    write_position(root / "steps" / "45", checkpoints.Position(1, 13, 45, False))
-    checkpoints.prune_steps(root, keep=2)
-    assert checkpoints.numbered(root / "steps") == [40, 45]
-
-
-def test_mid_epoch_position_of_another_packing_is_refused(tmp_path):
-    folder = write_position(tmp_path / "steps" / "40", checkpoints.Position(1, 8, 40, False, 32, 2))
-    point = checkpoints.ResumePoint(folder, checkpoints.read_position(folder))
-    checkpoints.check_resumable(point, 32, 2)
-    with pytest.raises(PipelineError, match=r"step checkpoint .*40 was taken with 32 batches per epoch on 2 rank\(s\), "
-                                            r"this run has 16 on 4"):
-        checkpoints.check_resumable(point, 16, 4)
-
-
-def test_rng_state_round_trip(tmp_path):
-    write_position(tmp_path / "c", checkpoints.Position(0, 1, 1, False))
-    expected = torch.rand(3), random.random(), np.random.rand()
-    torch.rand(5), random.random(), np.random.rand()  # move every generator on
-    assert checkpoints.restore_rng(tmp_path / "c", rank=0)
-    assert (torch.equal(torch.rand(3), expected[0]), random.random(), np.random.rand()) == (True, *expected[1:])
-    assert not checkpoints.restore_rng(tmp_path / "c", rank=1)
 
 
 def test_hidden_states_and_vocabulary_of_different_prepared_runs_are_refused(tmp_path, flat_target):
@@ -648,6 +484,16 @@ def test_checkpoint_of_another_config_is_refused_on_resume(trained, tmp_path):
     checkpoint = tmp_path / "out" / "checkpoints" / "1"
     assert f"checkpoint {checkpoint} was trained with another draft config" in str(error.value)
     assert "intermediate_size 256 there, 128 now" in str(error.value)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_optimizer_is_refused_on_resume(trained, tmp_path):
+    shutil.copytree(trained.run / "checkpoints", tmp_path / "out" / "checkpoints")
+    with pytest.raises(PipelineError) as error:
+        train_in_process(*bad_input_args(trained, tmp_path / "out"), "--optimizer", "adamw", "--resume")
+    assert str(error.value).startswith(f"checkpoint {tmp_path / 'out' / 'checkpoints' / '1'} was trained with another "
+                                       "optimizer set-up (parameter groups of [8, 4] there, [11] now with "
+                                       "--optimizer adamw)")
 
 
 @pytest.mark.slow

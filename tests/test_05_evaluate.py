@@ -33,7 +33,7 @@ from common.hidden_states.capture import capture_layers
 from common.target.config import load_target_info
 from common.target.int4_experts import PackedLinear
 from common.target.model import decoder_parts, load_text_model
-from common.train.trainer import simulated_acceptance_length
+from common.train.metrics import simulated_acceptance_length
 from common.vocab import build_maps
 
 SCRIPT = "05_evaluate.py"

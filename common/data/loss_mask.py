@@ -24,7 +24,9 @@ is specific to one model; everything is read off the template's own output:
    template's literal text and the places of each string; walking both renderings side by side
    locates every string in the real text (templates may trim it). Rendering prefixes
    `messages[:i]` would not work: Kimi renders an assistant turn differently (with or without
-   its reasoning) depending on whether a user message follows it.
+   its reasoning) depending on whether a user message follows it. The sentinel rendering holds
+   no content, so for conversations without tool calls it is kept per shape (roles, names,
+   tools): a dataset's plain chats are then rendered about once each.
 2. The supervised span of an assistant turn starts after the last assistant header in the
    literal text before its first string, extended over the longest generation prompt (thinking
    or instant mode, read off the template) the text there starts with, and ends after the first
@@ -32,23 +34,32 @@ is specific to one model; everything is read off the template's own output:
    between). The assistant header is the generation prompt cut after the role separator (the
    text the template puts between a role name and its content, read off a user turn); the
    end-of-turn token is the first special token the template puts after an assistant message.
-3. Tokens. The text is tokenized once. Tokenizers split added tokens off before anything else,
-   so the special ids in the result match, in order, the special tokens found in the text, and
-   the runs of ids between them match the text between them (checked on every sample). A span
-   boundary inside such a run (ChatML's `assistant\\n` header is plain text) is placed by
-   tokenizing the run's text up to the boundary and comparing it with the run.
+3. Tokens. The text is tokenized once, through the tokenizer's fastest call that gives the ids of
+   `tokenizer.encode(text, add_special_tokens=False)` (`common.data.fast_encode`; for Kimi its own
+   tiktoken `encode(text)`). Tokenizers split added tokens off before anything else, so the
+   special ids in the result match, in order, the special tokens found in the text, and the runs
+   of ids between them match the text between them (checked on every sample). A span boundary
+   inside such a run (ChatML's `assistant\\n` header is plain text) is placed by tokenizing the
+   run's text up to the boundary and comparing it with the run. That text starts at the special
+   token before the boundary, so it is a turn's header (and at most the turn before it), never a
+   prefix that grows with the conversation; the same header recurs in every turn, so its ids are
+   kept. A Kimi span starts after `<think>` or `</think>` and ends after `<|im_end|>`: no boundary
+   falls inside a run, and nothing is tokenized twice.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from jinja2 import TemplateError
 
 from common.data.conversations import Message
+from common.data.fast_encode import FastEncoder
 from common.errors import PipelineError
 
 __all__ = ["ChatMasker", "Encoded", "MaskError", "Rendering", "template_sha256"]
@@ -63,6 +74,11 @@ NO_SUPERVISED_TOKENS = "no_supervised_tokens"
 REASONING_SWITCHES = {"preserve_thinking": True}
 # Template variables that ask for the instant-mode (no thinking) generation prompt.
 INSTANT_MODE = {"thinking": False, "enable_thinking": False}
+
+# Sentinel renderings kept, by conversation shape (`ChatMasker._place`).
+SKELETON_CACHE_SIZE = 1024
+# Run prefixes whose ids are kept (ChatML's `assistant\n`, one per template in practice).
+PREFIX_CACHE_SIZE = 256
 
 # Private-use code points: no template alters them and no real text contains them.
 SENTINEL = "\ue000{}\ue001"
@@ -122,13 +138,20 @@ class ChatMasker:
         # Added tokens the tokenizer splits off verbatim (no stripping or normalisation).
         self.cut_ids = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
                         if not (t.lstrip or t.rstrip or t.single_word) and (t.special or not t.normalized)}
-        self._cut_id_set = set(self.cut_ids.values())
-        self._cut_re = re.compile("|".join(map(re.escape, sorted(self.cut_ids, key=len, reverse=True))) or "(?!)")
+        # A lookup table of the cut ids: finding them in a long conversation's ids is one numpy
+        # pass, not a Python loop over every token (which cost a third of the encode).
+        self._is_cut = np.zeros(max(self.cut_ids.values(), default=-1) + 1, dtype=bool)
+        self._is_cut[list(self.cut_ids.values())] = True
+        self._cut_re = re.compile("(" + ("|".join(map(re.escape, sorted(self.cut_ids, key=len, reverse=True))) or "(?!)")
+                                  + ")")
+        self._prefix_ids: dict[str, list[int]] = {}
+        self._skeletons: dict[str, str] = {}
         try:
             self.header = self._assistant_header()
             self.prompts = self._generation_prompts()
             self.end_of_turn = self._end_of_turn()
             self.renders_tool_calls = self._renders_tool_calls()
+            self.encoder = FastEncoder(tokenizer, probes=(self._render([m.to_template() for m in PROBE]),))
             self._check_probe()
         except MaskError as e:
             raise PipelineError(f"tokenizer {tokenizer.name_or_path}: cannot build loss masks ({e})") from e
@@ -146,6 +169,7 @@ class ChatMasker:
             "generation_prompts": list(self.prompts),
             "end_of_turn": self.end_of_turn,
             "renders_tool_calls": self.renders_tool_calls,
+            "token_ids": self.encoder.describe(),
             "media_parts": "dropped from the text and counted (the language model alone cannot compute "
                            "what a media placeholder stands for)",
         }
@@ -153,7 +177,7 @@ class ChatMasker:
     def encode(self, messages: Sequence[Message], tools: list | None = None) -> Encoded:
         """Token ids of the rendered conversation and their loss mask; MaskError if unusable."""
         rendering = self.render(messages, tools)
-        ids = self.tokenizer.encode(rendering.text, add_special_tokens=False, verbose=False)
+        ids = self.encoder(rendering.text)
         return Encoded(ids, self._mask(rendering.text, ids, rendering.spans), rendering)
 
     def render_with_spans(self, messages: Sequence[Message], tools: list | None = None
@@ -174,7 +198,7 @@ class ChatMasker:
             values += fields.values()
             owners += [(j, k) for k in fields]
         text = self._render(real, tools=tools)
-        placed = _align(self._render(marked, tools=tools), text, values)
+        placed = self._place(marked, tools, text, values)
         by_message: dict[int, list[int]] = {}
         reasoning_placed = set()
         for i, (key, _, _) in enumerate(placed):
@@ -193,6 +217,27 @@ class ChatMasker:
             reasoning += m.reasoning is not None
             calls += len(m.tool_calls)
         return Rendering(text, spans, reasoning, stripped, calls, 0 if self.renders_tool_calls else calls)
+
+    def _place(self, marked: list[dict], tools: list | None, text: str, values: list[str]) -> list[tuple[int, int, int]]:
+        """`_align` of the sentinel rendering. That rendering depends on the conversation's shape
+        only (roles, names, tool calls, tools: no content), and the plain chats of a dataset share
+        a few dozen shapes, so theirs is kept per shape (rendering is most of 01's time); a
+        tool call's arguments make nearly every tool-calling conversation's shape its own, so
+        those are not kept. A kept one that no longer fits (a template that reads the clock) is
+        rendered again."""
+        key = None if any("tool_calls" in m for m in marked) else repr((marked, tools))
+        kept = self._skeletons.get(key) if key else None
+        if kept is not None:
+            try:
+                return _align(kept, text, values)
+            except MaskError:
+                pass
+        skeleton = self._render(marked, tools=tools)
+        if key:
+            if len(self._skeletons) >= SKELETON_CACHE_SIZE:
+                self._skeletons.clear()
+            self._skeletons[key] = skeleton
+        return _align(skeleton, text, values)
 
     # --- template analysis ------------------------------------------------------------------
 
@@ -276,43 +321,90 @@ class ChatMasker:
     # --- tokens -----------------------------------------------------------------------------
 
     def _mask(self, text: str, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
-        cuts = list(self._cut_re.finditer(text))
-        positions = [i for i, t in enumerate(ids) if t in self._cut_id_set]
-        if [ids[i] for i in positions] != [self.cut_ids[m.group()] for m in cuts]:
+        parts = self._cut_re.split(text)  # run, special token, run, ..., run
+        array = np.asarray(ids, dtype=np.int64)
+        known = array < len(self._is_cut)  # an id past the table is no cut id
+        is_cut = np.zeros(len(array), dtype=bool)
+        is_cut[known] = self._is_cut[array[known]]
+        positions = np.flatnonzero(is_cut)
+        if array[positions].tolist() != [self.cut_ids[cut] for cut in parts[1::2]]:
             raise MaskError(TOKENIZER_MISMATCH, "the special tokens in the ids do not match those in the text")
-        mask = [0] * len(ids)
-        char, token = 0, 0
-        for cut, position in zip([*cuts, None], [*positions, len(ids)]):
-            run_end = cut.start() if cut else len(text)
-            self._mark_run(text, char, run_end, ids, token, position, spans, mask)
-            if cut:
-                mask[position] = int(_inside(cut.start(), spans))
-                char, token = cut.end(), position + 1
-        return mask
+        # The runs of ids between the special tokens: text[chars[k]:ends[k]] is ids[firsts[k]:stops[k]].
+        offsets = np.cumsum([0, *map(len, parts)])
+        chars, ends = offsets[0:-1:2], offsets[1::2]
+        firsts, stops = np.concatenate([[0], positions + 1]), np.concatenate([positions, [len(ids)]])
+        if np.any((chars == ends) & (stops > firsts)):
+            raise MaskError(TOKENIZER_MISMATCH, "ids between adjacent special tokens")
+        # A special token takes the mask of its first character, a run without a span boundary
+        # inside that of its first; the few runs with one are placed token by token (_mark_run).
+        inside = _Spans(spans)
+        mask = np.zeros(len(ids), dtype=np.int8)
+        mask[positions] = inside.at(ends[:-1])
+        mask[~is_cut] = np.repeat(inside.at(chars), stops - firsts)
+        for k in np.flatnonzero(inside.edges_between(chars, ends)):
+            first, stop = int(firsts[k]), int(stops[k])
+            mask[first:stop] = 0
+            self._mark_run(text, int(chars[k]), int(ends[k]), ids, first, stop, inside, mask)
+        return mask.tolist()
 
     def _mark_run(self, text: str, start: int, end: int, ids: list[int], first: int, stop: int,
-                  spans: list[tuple[int, int]], mask: list[int]) -> None:
-        """Mark the ids[first:stop] that encode text[start:end] (no special token inside)."""
-        if start == end:
-            if stop > first:
-                raise MaskError(TOKENIZER_MISMATCH, "ids between adjacent special tokens")
-            return
+                  inside: _Spans, mask: np.ndarray) -> None:
+        """Mark the ids[first:stop] that encode text[start:end] (no special token inside, a span
+        boundary inside)."""
         chars, tokens = [start], [first]
-        for boundary in sorted({b for span in spans for b in span if start < b < end}):
-            left = self.tokenizer.encode(text[start:boundary], add_special_tokens=False, verbose=False)
-            k = _common_prefix(left, ids[first:stop])
-            if k < len(left) and not _inside(boundary, spans):
+        for boundary in inside.boundaries(start, end):
+            left = self._prefix(text[start:boundary])
+            k = _common_prefix(left, ids[first:min(stop, first + len(left))])
+            if k < len(left) and not inside(boundary):
                 k += 1  # a token across the end of a span is supervised, like one across its start
             chars.append(boundary)
             tokens.append(min(max(first + k, tokens[-1]), stop))
         tokens.append(stop)
         for char, lo, hi in zip(chars, tokens, tokens[1:]):
-            if _inside(char, spans):
-                mask[lo:hi] = [1] * (hi - lo)
+            if inside(char):
+                mask[lo:hi] = 1
+
+    def _prefix(self, text: str) -> list[int]:
+        """The ids of a run's text up to a span boundary; kept, as the same header recurs every turn."""
+        ids = self._prefix_ids.get(text)
+        if ids is None:
+            if len(self._prefix_ids) >= PREFIX_CACHE_SIZE:
+                self._prefix_ids.clear()
+            ids = self._prefix_ids[text] = self.encoder(text)
+        return ids
 
 
-def _inside(char: int, spans: list[tuple[int, int]]) -> bool:
-    return any(lo <= char < hi for lo, hi in spans)
+class _Spans:
+    """Membership of characters in the supervised spans, by bisection (a conversation has many)."""
+
+    def __init__(self, spans: list[tuple[int, int]]):
+        merged: list[list[int]] = []
+        for lo, hi in sorted(s for s in spans if s[0] < s[1]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.starts, self.ends = [lo for lo, _ in merged], [hi for _, hi in merged]
+        self.edges = sorted({b for span in spans for b in span})
+
+    def __call__(self, char: int) -> bool:
+        i = bisect.bisect_right(self.starts, char) - 1
+        return i >= 0 and char < self.ends[i]
+
+    def at(self, chars: np.ndarray) -> np.ndarray:
+        """`self(c)` for each of `chars`, as 0/1."""
+        if not self.starts:
+            return np.zeros(len(chars), dtype=np.int8)
+        i = np.searchsorted(self.starts, chars, side="right") - 1
+        return ((i >= 0) & (chars < np.asarray(self.ends)[np.maximum(i, 0)])).astype(np.int8)
+
+    def boundaries(self, start: int, end: int) -> list[int]:
+        """The span edges strictly between `start` and `end`, in order."""
+        return self.edges[bisect.bisect_right(self.edges, start):bisect.bisect_left(self.edges, end)]
+
+    def edges_between(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Whether a span edge lies strictly inside each interval (starts[k], ends[k])."""
+        return np.searchsorted(self.edges, ends, side="left") > np.searchsorted(self.edges, starts, side="right")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

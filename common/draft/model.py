@@ -2,7 +2,7 @@
 the target, the exported folder `RUN/draft/`, and the loader for that folder.
 
 A draft config file holds two sections: `model` (the draft's shape, `DraftShape`) and
-`training` (defaults of 04's training flags, see `common.train.trainer.TrainSettings`); unknown keys
+`training` (defaults of 04's training flags, see `common.train.settings.TrainSettings`); unknown keys
 and wrong types are errors. Everything the draft must share with the target (vocabulary size,
 norm epsilon, rope theta and scaling, maximum positions) is copied from the target's text
 config, never from the file: the official 0.3.0 example leaves the rope at Llama's default
@@ -73,7 +73,7 @@ class DraftShape:
 class DraftConfigFile:
     path: Path
     model: DraftShape
-    training: dict[str, Any]  # checked by common.train.trainer.TrainSettings
+    training: dict[str, Any]  # checked by common.train.settings.TrainSettings
 
 
 def _type_ok(value: Any, annotation: Any) -> bool:

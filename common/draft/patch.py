@@ -82,7 +82,7 @@ def trainer_device(device: torch.device) -> torch.device:
     (`model.to(local_rank)`, `tensor.to(local_rank)`) and to decide whether to draw its own
     progress bars (`local_rank == 0`). An int always means a CUDA device, so we pass a
     `torch.device` instead: it works on CPU, and `device == 0` is False, which turns off the
-    library's bars in favour of ours (see `common.train.trainer.MetricsLog`)."""
+    library's bars in favour of ours (see `common.train.metrics.MetricsLog`)."""
     return torch.device(device)
 
 

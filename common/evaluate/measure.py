@@ -41,16 +41,9 @@ from common.hidden_states.capture import capture_layers
 from common.hidden_states.files import sample_index
 from common.target.config import TargetInfo
 from common.target.model import decoder_parts
-from common.train.trainer import (
-    REPORT_FILE,
-    SPLIT_FILE,
-    HiddenStateData,
-    TrainSettings,
-    ValSummary,
-    epoch_tokens,
-    evaluate,
-    make_loader,
-)
+from common.train.data import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
+from common.train.metrics import REPORT_FILE, ValSummary, validation_metrics
+from common.train.settings import TrainSettings
 
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
@@ -174,7 +167,7 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
     acceptance length over `files`, computed exactly as 04's validation pass does."""
     settings = TrainSettings(ttt_steps=k, noise_std=0.0, total_seq_len=total_seq_len, num_workers=0)
     loader = make_loader(data, files, settings, world_size=1, rank=0, train=False, pin_memory=False)
-    summary = ValSummary.from_metrics(evaluate(draft, loader, device, settings), epoch=0)
+    summary = ValSummary.from_metrics(validation_metrics(draft, loader, device, settings), epoch=0)
     skipped = loader.tally.skipped  # damaged files, each named on stderr (common/train/sample_files.py)
     return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step,
             "full_acc": summary.full_acc,

@@ -14,7 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from speculators.train.utils import maybe_destroy_distributed, maybe_setup_distributed
+from speculators.train.utils import maybe_setup_distributed
 
 
 def under_torchrun() -> bool:
@@ -30,4 +30,7 @@ def setup_distributed() -> tuple[int, int, int, bool]:
 
 
 def teardown_distributed() -> None:
-    maybe_destroy_distributed()
+    """End the process group, whichever started it. The library's `maybe_destroy_distributed`
+    tests a flag only its own setup sets, so it would leave the gloo group above running."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

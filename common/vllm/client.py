@@ -11,12 +11,17 @@ on the engine's disk, and 05 needs one engine per configuration (plain, each dra
 Each stage keeps its own adapter over `VllmWorker`: 00's generation engine
 (common/regenerate/engines.py), 02's state extractor (common/hidden_states/vllm_states.py) and
 05's served acceptance length (common/evaluate/served.py).
+
+Every engine start goes through `check_servable` (also callable before a stage's heavy work): what
+vLLM cannot run on this host is refused there, in one line naming the cause and what works, instead
+of failing after the engine's start (a minute or more).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import tempfile
@@ -35,7 +40,13 @@ MIN_VLLM = (0, 32)  # extract_hidden_states with the hidden-state connector, as 
 CPU_KV_CACHE_BYTES = 1 << 30  # on a CPU host vLLM would otherwise reserve 92% of the host's memory
 GENERIC_ERRORS = ("Engine core initialization failed", "WorkerProc initialization failed", "WorkerProc failed")
 
-__all__ = ["check_vllm_python", "EngineSettings", "VllmWorker"]
+# vLLM 0.32's fused-MoE kernels for INT4 (WNA16) experts on a CPU (vllm/model_executor/layers/fused_moe/
+# oracle/int_wna16.py: CPU and ZEN_CPU only) take these routing methods: softmax top-k, not
+# DeepSeek-V3's sigmoid routing with a correction bias. The other WNA16 backends are GPU-only.
+CPU_INT4_MOE_SCORING = ("softmax",)
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686")  # vLLM's CpuArchEnum.X86 (platforms/interface.py)
+
+__all__ = ["check_vllm_python", "check_servable", "vllm_device", "EngineSettings", "VllmWorker"]
 
 
 # --- the environment and the worker process -------------------------------------------------
@@ -68,6 +79,73 @@ def _worker_env() -> dict[str, str]:
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
 
 
+def vllm_device() -> str:
+    """Where an engine started from here runs: the GPUs when this host has one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- what vLLM cannot run on this host, refused before it starts ----------------------------
+
+
+def check_servable(info: TargetInfo, device: str, draft: str | Path | None = None) -> None:
+    """Refuse in one line, before any engine starts, a target (served alone, or with an EAGLE-3
+    `draft`) that vLLM 0.32 cannot run on `device`, as its own backend selection decides."""
+    if device != "cpu":
+        return
+    problem = _int4_moe_on_cpu(info) or (_mla_with_draft_on_cpu(info) if draft is not None else None)
+    if problem:
+        what = f"vLLM serving {info.path}" + (f" with draft {draft}" if draft is not None else "")
+        raise PipelineError(f"{what}: {problem}")
+
+
+def _int4_moe_on_cpu(info: TargetInfo) -> str | None:
+    """INT4 compressed-tensors experts with a routing vLLM's CPU MoE kernels lack (Kimi-K2.5's)."""
+    quant = info.quantization_config or {}
+    groups = (quant.get("config_groups") or {}).values() if quant.get("quant_method") == "compressed-tensors" else ()
+    int4 = any((g.get("weights") or {}).get("num_bits") == 4 for g in groups)
+    experts = getattr(info.text_config, "n_routed_experts", None) or getattr(info.text_config, "num_experts", None)
+    scoring = getattr(info.text_config, "scoring_func", "softmax")
+    if not (int4 and experts) or scoring in CPU_INT4_MOE_SCORING:
+        return None
+    return (f"its routed experts are INT4 (compressed-tensors) with {scoring} routing, which no vLLM MoE kernel "
+            f"runs on a CPU (its CPU kernels take INT4 experts with {'/'.join(CPU_INT4_MOE_SCORING)} routing only); "
+            "on a CPU use a target with bf16 experts (the miniature: `python -m common.fixtures kimi-bf16`), "
+            "or run on a GPU host")
+
+
+def _mla_with_draft_on_cpu(info: TargetInfo) -> str | None:
+    """An MLA target (DeepSeek-V3, Kimi-K2.5) and a draft on a CPU without AMX tiles. vLLM 0.32
+    (platforms/cpu.py) then picks its reference CPU_MLA backend, which forces KV block size 16,
+    while the draft's attention (CPU_ATTN) needs a multiple of 32: the engine cannot start ("No
+    common block size"). With AMX (x86 and `torch.cpu._is_amx_tile_supported()`, the same call
+    vLLM makes) it picks AMX_MLA, whose block sizes are multiples of 32, and both fit."""
+    mla = getattr(info.text_config, "kv_lora_rank", None) is not None  # vLLM's use_mla for these model types
+    if not mla or os.environ.get("VLLM_MLA_DISABLE", "0") not in ("", "0"):
+        return None
+    amx = _cpu_has_amx()
+    if amx is None:
+        print(f"warning: cannot tell whether this CPU has AMX tiles (torch {torch.__version__} has no "
+              "torch.cpu._is_amx_tile_supported): without them vLLM cannot serve a draft with the MLA target "
+              f"{info.path} (no common KV block size)", flush=True)
+        return None
+    if amx:
+        return None
+    return ("its attention is MLA, and on a CPU without AMX vLLM's CPU_MLA backend forces KV block size 16 while "
+            "the draft's attention needs a multiple of 32 (no common block size); serve it on a GPU host or a CPU "
+            "with AMX (Intel Sapphire Rapids or later), or measure with 05's own decoder (--engine hf)")
+
+
+def _cpu_has_amx() -> bool | None:
+    """vLLM's test for its AMX backends; None when this torch cannot tell."""
+    if platform.machine().lower() not in X86_MACHINES:
+        return False
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else None
+
+
+# --- one engine --------------------------------------------------------------------------------
+
+
 @dataclass
 class EngineSettings:
     """What one vLLM engine is started with (the worker's `engine_kwargs` reads these keys)."""
@@ -78,21 +156,22 @@ class EngineSettings:
     language_model_only: bool  # a multimodal checkpoint (Kimi-K2.5): serve the text model only
     tensor_parallel_size: int = 1
     dtype: str = "bfloat16"
-    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    device: str = field(default_factory=vllm_device)
     extract_layer_ids: list[int] | None = None
     storage: str | None = None
     draft: str | None = None
     num_speculative_tokens: int = 0
+    target: TargetInfo | None = None  # the target's facts, for `check_servable` (not sent to the worker)
 
     @classmethod
     def for_target(cls, info: TargetInfo, max_model_len: int, trust_remote_code: bool,
                    tensor_parallel_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> EngineSettings:
         return cls(model=info.path, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
                    language_model_only=info.nested, tensor_parallel_size=tensor_parallel_size,
-                   dtype=str(dtype).removeprefix("torch."))
+                   dtype=str(dtype).removeprefix("torch."), target=info)
 
     def as_json(self) -> str:
-        data = dict(self.__dict__)
+        data = {k: v for k, v in self.__dict__.items() if k != "target"}
         data["kv_cache_bytes"] = CPU_KV_CACHE_BYTES if self.device == "cpu" else None
         return json.dumps(data)
 
@@ -109,6 +188,8 @@ class VllmWorker:
     on leaving, also after an error or Ctrl-C."""
 
     def __init__(self, python: Path, settings: EngineSettings) -> None:
+        if settings.target is not None:
+            check_servable(settings.target, settings.device, settings.draft)
         self.settings = settings
         self.failed = False  # the log is kept (and named in the error) only after a failure
         self.log = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])

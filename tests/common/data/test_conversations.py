@@ -1,8 +1,190 @@
-"""Reading records: undecodable text is a counted rejection; a skipped tool call takes its result along."""
+"""common/data/conversations.py: every input format, the OpenAI and ShareGPT forms with tool calls,
+list content and media, bad records (a reason each) and unreadable files (an error naming them)."""
 
 from __future__ import annotations
 
-from common.data.conversations import UNDECODABLE, Rejection, read_jsonl, to_conversation
+import json
+from pathlib import Path
+
+import pytest
+from datasets import Dataset, DatasetDict
+
+from common.data.conversations import (
+    UNDECODABLE,
+    Conversation,
+    Message,
+    Rejection,
+    ToolCall,
+    iter_records,
+    read_jsonl,
+    resolve_inputs,
+    to_conversation,
+)
+from common.errors import PipelineError
+
+OPENAI = [
+    {"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
+                             {"role": "assistant", "content": "A1", "reasoning_content": "R1"}]},
+    {"messages": [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]},
+]
+SHAREGPT = [{"id": "s", "conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q1"},
+                                           {"from": "gpt", "value": "A1"}]}]
+WANT = [(("system", "S", None), ("user", "Q1", None), ("assistant", "A1", "R1")),
+        (("user", "Q2", None), ("assistant", "A2", None))]
+
+
+def _read(*paths) -> list[Conversation | Rejection]:
+    return [to_conversation(sid, record) for sid, record in iter_records(resolve_inputs(paths))]
+
+
+def _triples(conversation: Conversation) -> tuple:
+    return tuple((m.role, m.content, m.reasoning) for m in conversation.messages)
+
+
+def _write_all_formats(folder: Path) -> dict[str, Path]:
+    folder.mkdir()
+    paths = {"jsonl": folder / "c.jsonl", "json": folder / "c.json", "json_data": folder / "d.json",
+             "parquet": folder / "c.parquet", "hf_dataset": folder / "saved"}
+    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in OPENAI), encoding="utf-8")
+    paths["json"].write_text(json.dumps(OPENAI), encoding="utf-8")
+    paths["json_data"].write_text(json.dumps({"data": OPENAI}), encoding="utf-8")
+    Dataset.from_list(OPENAI).to_parquet(str(paths["parquet"]))
+    Dataset.from_list(OPENAI).save_to_disk(str(paths["hf_dataset"]))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory) -> dict[str, Path]:
+    return _write_all_formats(tmp_path_factory.mktemp("formats") / "inputs")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "json_data", "parquet", "hf_dataset"])
+def test_each_format_reads_the_same_conversations(formats, fmt):
+    conversations = _read(formats[fmt])
+    assert [_triples(c) for c in conversations] == WANT
+    assert conversations[0].sample_id == "a"
+    # No id: the file and line (JSONL, from 1) or row (from 0).
+    assert conversations[1].sample_id == f"{formats[fmt]}:{2 if fmt == 'jsonl' else 1}"
+
+
+def test_folder_reads_every_file_and_saved_dataset(formats):
+    sources = resolve_inputs([formats["jsonl"].parent])
+    assert sorted(fmt for _, fmt in sources) == ["hf_dataset", "json", "json", "jsonl", "parquet"]
+    assert [_triples(c) for c in _read(formats["jsonl"].parent)] == WANT * 5
+
+
+def test_saved_dataset_dict_reads_its_splits_in_order(tmp_path):
+    DatasetDict({"train": Dataset.from_list(OPENAI[1:]), "test": Dataset.from_list(OPENAI[:1])}).save_to_disk(
+        str(tmp_path / "dd"))
+    conversations = _read(tmp_path / "dd")
+    assert [_triples(c) for c in conversations] == WANT
+    assert conversations[1].sample_id == f"{tmp_path / 'dd'}/train:0"
+
+
+def test_sharegpt_form(tmp_path):
+    path = tmp_path / "share.jsonl"
+    path.write_text(json.dumps(SHAREGPT[0]) + "\n", encoding="utf-8")
+    [conversation] = _read(path)
+    assert conversation.sample_id == "s"
+    assert _triples(conversation) == (("system", "S", None), ("user", "Q1", None), ("assistant", "A1", None))
+
+
+def test_openai_tool_calls_results_and_list_content():
+    record = {"id": "t", "tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": "u"}}]},
+        {"role": "assistant", "content": None, "reasoning": "Call f.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": '{"x":2}'}},
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}},  # no id
+            {"id": "c4", "type": "function", "function": {"name": "f", "arguments": "x=4"}},  # not JSON
+            {"id": "c5", "type": "function", "function": {"arguments": "{}"}}]},  # no function name
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": ""},
+        {"role": "assistant", "content": "Done."}]}
+    conversation = to_conversation("f:1", record)
+    assert conversation.tools == record["tools"] and conversation.media_parts == 1
+    assert conversation.skipped_tool_calls == ("no_id", "arguments_not_json", "no_function_name")
+    user, call_turn, first, second, answer = conversation.messages
+    assert user == Message("user", "Look: ")
+    assert call_turn == Message("assistant", "", "Call f.", tool_calls=(
+        ToolCall("c1", "f", '{"x": 1}', True), ToolCall("c2", "f", '{"x":2}', False)))
+    assert call_turn.to_template()["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # objects stay objects
+    assert call_turn.to_template()["tool_calls"][1]["function"]["arguments"] == '{"x":2}'  # strings verbatim
+    assert (first, second) == (Message("tool", "one", tool_call_id="c1"), Message("tool", "", tool_call_id="c2"))
+    assert answer == Message("assistant", "Done.")
+    # A turn whose only calls are malformed is skipped (counted), not the conversation.
+    only_bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}, {"role": "assistant", "content": "a"}]}
+    assert [m.role for m in to_conversation("f:2", only_bad).messages] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("call_turn, result_turn", [("function_call", "observation"), ("tool_call", "tool"),
+                                                    ("function_call", "function_response")])
+def test_sharegpt_function_call_and_observation_turns(call_turn, result_turn):
+    record = {"system": "Use tools.", "tools": '[{"name": "weather", "parameters": {}}]', "conversations": [
+        {"from": "human", "value": "Weather in Oslo and Rome?"},
+        {"from": "gpt", "value": "Checking."},
+        {"from": call_turn, "value": '[{"name": "weather", "arguments": {"city": "Oslo"}}, '
+                                     '{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]'},
+        {"from": result_turn, "value": "-2 C"},
+        {"from": result_turn, "value": "18 C"},
+        {"from": call_turn, "value": "not json"},
+        {"from": "gpt", "value": "Oslo -2 C, Rome 18 C."}]}
+    conversation = to_conversation("s:1", record)
+    assert conversation.tools == [{"name": "weather", "parameters": {}}]
+    assert conversation.skipped_tool_calls == ("arguments_not_json",)
+    assert conversation.messages == (
+        Message("system", "Use tools."), Message("user", "Weather in Oslo and Rome?"),
+        Message("assistant", "Checking.", tool_calls=(ToolCall("functions.weather:0", "weather", '{"city": "Oslo"}', True),
+                                                      ToolCall("functions.weather:1", "weather", '{"city": "Rome"}'))),
+        Message("tool", "-2 C", tool_call_id="functions.weather:0"),
+        Message("tool", "18 C", tool_call_id="functions.weather:1"),
+        Message("assistant", "Oslo -2 C, Rome 18 C."))
+
+
+@pytest.mark.parametrize("record, reason", [
+    ("not a dict", "malformed_record"),
+    ({"text": "no messages"}, "malformed_record"),
+    ({"messages": ["not a dict"]}, "malformed_record"),
+    ({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown_role"),
+    ({"conversations": [{"from": "bot", "value": "x"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no_assistant_turn"),
+    ({"messages": [{"role": "user", "content": " \n"}, {"role": "assistant", "content": "y"}]}, "empty_content"),
+    ({"messages": [{"role": "user", "content": [{"type": "table"}]}, {"role": "assistant", "content": "y"}]},
+     "non_string_content"),
+    ({"messages": [{"role": "user", "content": {"text": "x"}}, {"role": "assistant", "content": "y"}]},
+     "non_string_content"),
+    ({"tools": "{oops", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "malformed_tools"),
+    ({"tools": [1], "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "malformed_tools"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": 3}]},
+     "non_string_content"),
+])
+def test_bad_records_are_rejected_with_a_reason(record, reason):
+    result = to_conversation("f:1", record)
+    assert isinstance(result, Rejection) and result.reason == reason
+
+
+def test_input_errors_name_the_path(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.json").write_text("{oops")
+    (tmp_path / "dict.json").write_text('{"rows": []}')
+    (tmp_path / "bad.parquet").write_text("x")
+    (tmp_path / "broken_dataset").mkdir()
+    (tmp_path / "broken_dataset" / "state.json").write_text("{")
+    for path, message in ((tmp_path / "missing.jsonl", "no such file"), (tmp_path / "notes.txt", "unknown format"),
+                          (tmp_path / "empty", "unknown format")):
+        with pytest.raises(PipelineError, match=message) as e:
+            resolve_inputs([path])
+        assert str(path) in str(e.value)
+    for path in ("bad.json", "dict.json", "bad.parquet", "broken_dataset"):
+        with pytest.raises(PipelineError, match=f"{tmp_path / path}: "):
+            _read(tmp_path / path)
+
+
+# --- undecodable records, and the result of a skipped tool call -----------------------------
 
 CALL_TURNS = [{"role": "user", "content": "weather?"},
               {"role": "assistant", "content": None,

@@ -34,7 +34,7 @@ def test_target_errors_name_the_folder(tmp_path, kimi_target):
 
 def _flat_copy(flat_target, tmp_path, generation: dict | None):
     folder = tmp_path / "target"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "config.json").write_text((flat_target / "config.json").read_text())
     if generation is not None:
         (folder / "generation_config.json").write_text(json.dumps(generation))

@@ -10,7 +10,8 @@ from common.draft.model import TINY_CONFIG, read_config_file
 from common.errors import PipelineError
 from common.hidden_states.files import sample_path
 from common.train.sample_files import MIN_SKIPPED_LIMIT, SkipTally
-from common.train.trainer import TrainSettings, load_hidden_states, make_loader
+from common.train.data import load_hidden_states, make_loader
+from common.train.settings import TrainSettings
 
 SEQ = 64  # one sample per batch (samples are 48..54 tokens long)
 

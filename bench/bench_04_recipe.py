@@ -1,0 +1,170 @@
+"""Benchmark of 04's training recipe: the choices of issue 20, each alone and together, on the same data and budget.
+
+    python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
+        [--variants before,teacher-forced,...] [--no-vllm] [--control] [--table-only]
+    # flat miniature, all variants, with vLLM: about 8 minutes per variant on 2 shared CPU cores;
+    # figures in RUN_DIR/bench_recipe.json
+
+1. 01 -> 02 -> 03 once into RUN_DIR (the demo conversations, a 2048-token draft vocabulary), unless
+   RUN_DIR/vocab already exists.
+2. Per variant, 04 into RUN_DIR/<variant>/ with configs/draft_tiny.json's budget (3 epochs, lr 6e-3,
+   3 TTT steps, linear schedule, 1% warm-up) and the variant's flags, then 05 on its exported draft:
+   the held-out first turns (`--max-prompts`, 04's 58 validation rows), 64 new tokens, k = 3, greedy,
+   with vLLM too (`--engine vllm`) when .venv-vllm exists and `--no-vllm` is not given. A variant
+   whose RUN_DIR/<variant>/eval.json exists is not run again (delete the folder to redo it).
+3. A table, side by side: 05's measured acceptance length and per-position acceptance rates,
+   vLLM's, and 04's validation simulated acceptance length.
+
+Variants: `before` is 04 before issue 20 (AdamW, TTT steps fed the draft's own guesses, PyTorch's
+initialisation, draft lm_head trained); each `+ ...` row changes one thing from it; `defaults` is
+04 with no recipe flag; `defaults, frozen lm_head` adds upstream's frozen head to it. `--control`
+adds the defaults with a 2% lower training noise, a nudge that should not matter: how far it moves
+the figures is the noise floor of the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from common.atomic import write_json  # noqa: E402
+from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT  # noqa: E402
+from common.draft.model import TINY_CONFIG  # noqa: E402
+from common.fixtures.targets import ensure_target  # noqa: E402
+
+BEFORE = ("--optimizer", "adamw", "--ttt-inputs", "draft", "--init", "torch", "--no-freeze-draft-lm-head")
+
+
+def changed(flag: str, value: str | None = None) -> tuple[str, ...]:
+    """BEFORE with one flag changed (or a bool flag flipped)."""
+    args = list(BEFORE)
+    if value is None:  # --no-X -> --X
+        args[args.index(f"--no-{flag.removeprefix('--')}")] = flag
+    else:
+        args[args.index(flag) + 1] = value
+    return tuple(args)
+
+
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 flags), in the order they run
+    "before": ("before: AdamW, draft-fed TTT, torch init", BEFORE),
+    "defaults": ("defaults (no recipe flag)", ()),
+    "teacher-forced": ("+ TTT fed the dataset's tokens", changed("--ttt-inputs", "dataset")),
+    "muon": ("+ Muon", changed("--optimizer", "muon")),
+    "frozen-head": ("+ draft lm_head frozen", changed("--freeze-draft-lm-head")),
+    "normal-init": ("+ normal init (0.02)", changed("--init", "normal")),
+    "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
+}
+CONTROL = ("control: defaults, noise 0.049", ("--noise-std", "0.049"))
+
+
+@dataclass
+class Result:
+    label: str
+    measured: float
+    rates: list[float]
+    vllm: float | None
+    vllm_rates: list[float] | None
+    simulated: float
+
+    @classmethod
+    def read(cls, label: str, path: Path) -> Result:
+        report = json.loads(path.read_text())
+        served = report["drafts"][0].get("vllm")
+        return cls(label, report["measured_acceptance_length"], report["acceptance_rate_per_position"],
+                   served["measured_acceptance_length"] if served else None,
+                   served["acceptance_rate_per_position"] if served else None,
+                   report["simulated_acceptance_length"])
+
+
+def run(script: str, *args: str | Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / script), *map(str, args)], cwd=REPO_ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+
+
+def target_args(target: Path) -> list[str | Path]:
+    return ["--target", target, "--trust-remote-code"]
+
+
+def prepare(run_dir: Path, target: Path) -> None:
+    if (run_dir / "vocab" / "d2t.pt").is_file():
+        return
+    common = ["--run-dir", run_dir, *target_args(target)]
+    run("01_prepare_data.py", *common)
+    run("02_extract_hidden_states.py", *common)
+    run("03_build_vocab_map.py", *common, "--draft-vocab-size", "2048")
+
+
+def train_and_measure(run_dir: Path, target: Path, name: str, flags: tuple[str, ...], max_prompts: int,
+                      vllm: bool) -> Path:
+    out = run_dir / name
+    result = out / "eval.json"
+    if result.is_file():
+        return result
+    print(f"{name}: 04 {' '.join(flags) or '(defaults)'}", flush=True)
+    run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", TINY_CONFIG, "--output", out,
+        *flags)
+    engine = ["--engine", "vllm"] if vllm else []
+    run("05_evaluate.py", "--run-dir", run_dir, *target_args(target), "--draft", out / "draft", "--no-baselines",
+        "--max-prompts", str(max_prompts), *engine, "--json", out / "eval.partial.json")
+    (out / "eval.partial.json").replace(result)
+    return result
+
+
+def table(results: list[Result]) -> str:
+    def rates(values: list[float] | None) -> str:
+        return " / ".join(f"{v:.3f}" for v in values) if values else "-"
+
+    rows = [f"{'variant':<42} {'05 AL':>6}  {'05 per position':<21} {'vLLM AL':>7}  {'vLLM per position':<21} "
+            f"{'val sim. AL':>11}"]
+    for r in results:
+        served = f"{r.vllm:.3f}" if r.vllm is not None else "-"
+        rows.append(f"{r.label:<42} {r.measured:>6.3f}  {rates(r.rates):<21} {served:>7}  {rates(r.vllm_rates):<21} "
+                    f"{r.simulated:>11.3f}")
+    return "\n".join(rows)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench-recipe")
+    parser.add_argument("--target", default="flat", help="flat, kimi (the miniatures) or a target folder")
+    parser.add_argument("--max-prompts", type=int, default=58, help="held-out prompts 05 decodes")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--no-vllm", action="store_true", help="05's own decoder only")
+    parser.add_argument("--control", action="store_true", help="also the defaults with a 2%% lower noise")
+    parser.add_argument("--table-only", action="store_true", help="print the table of the variants already run")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    target = ensure_target(args.target) if args.target in ("flat", "kimi") else Path(args.target)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    chosen = {v: VARIANTS[v] for v in args.variants.split(",")} | ({"control": CONTROL} if args.control else {})
+    vllm = DEFAULT_VLLM_PYTHON.is_file() and not args.no_vllm
+    if not args.table_only:
+        prepare(args.run_dir, target)
+    results = []
+    for name, (label, flags) in chosen.items():
+        path = args.run_dir / name / "eval.json"
+        if not args.table_only:
+            path = train_and_measure(args.run_dir, target, name, flags, args.max_prompts, vllm)
+        if path.is_file():
+            results.append(Result.read(label, path))
+    print(f"target {target}, {args.run_dir}; k = 3, greedy, {args.max_prompts} held-out prompts, 64 new tokens")
+    print(table(results))
+    write_json(args.run_dir / "bench_recipe.json", {"target": str(target), "results": [vars(r) for r in results]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Step 04's metrics: the JSON-lines log of the Trainer's metric records (`MetricsLog`, one
+line per training step and one per validation pass), the progress bars and per-epoch lines, the
+plot, the validation summary (simulated acceptance length) and `train_report.json`, all read back
+from the log, so a resumed run reports on the whole training. `validation_metrics` computes a
+validation pass as the Trainer does, for any draft (05 uses it too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from common.atomic import atomic_path, write_json
+from common.train.settings import TrainSettings
+
+LOG_FILE = "train_log.jsonl"
+PLOT_FILE = "train_log.png"
+REPORT_FILE = "train_report.json"
+METRICS_LOGGER = "speculators.metrics"
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a metrics log; a line torn by a killed run is skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsLog(logging.Handler):
+    """Receives the Trainer's metric records: appends each to the JSON-lines log and drives a
+    progress bar per epoch. On a resumed run the records of the epochs being redone are dropped
+    first, so the log reads as one uninterrupted training."""
+
+    def __init__(self, path: Path, start_epoch: int, epochs: int, steps_per_epoch: int, tokens_per_epoch: int,
+                 start_step: int | None = None) -> None:
+        """`start_step`: the global step a mid-epoch resume continues at (steps of `start_epoch`
+        before it are kept)."""
+        super().__init__(logging.INFO)
+        self.path = path
+        self.epochs = epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.tokens_per_epoch = tokens_per_epoch
+        kept = [r for r in read_log(path) if r.get("epoch", 0) < start_epoch
+                or (start_step is not None and r.get("epoch") == start_epoch and "train" in r
+                    and r["step"] < start_step)]
+        self.next_step = max((r["step"] + 1 for r in kept if "train" in r), default=0)
+        # the losses of a resumed epoch's steps before the resume, for its closing line
+        self.resumed_losses = [r["train"]["loss"] for r in kept if "train" in r and r.get("epoch") == start_epoch]
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        self.file = path.open("a", encoding="utf-8")
+        self.bar: tqdm | None = None
+        self.train_losses: list[float] = []
+        self.last_val: dict[str, float] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not isinstance(record.msg, Mapping):
+            return
+        self.file.write(json.dumps({"step": getattr(record, "step", None), **record.msg}) + "\n")
+        self.file.flush()
+        if "train" in record.msg and self.bar is not None:
+            metrics = record.msg["train"]
+            self.train_losses.append(metrics["loss"])
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", acc0=f"{metrics.get('full_acc_0', 0):.3f}")
+        elif "val" in record.msg:
+            self.last_val = strip_epoch_suffix(record.msg["val"])
+
+    def epoch_start(self, epoch: int, done: int = 0) -> None:
+        """`done`: steps of the epoch trained before a resume."""
+        self.bar = tqdm(total=self.steps_per_epoch, initial=done, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
+        self.train_losses, self.last_val = (self.resumed_losses if done else []), None
+
+    def epoch_done(self, epoch: int, train_seconds: float) -> None:
+        """One fixed-format line per epoch, and a fresh plot."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        line = f"epoch {epoch + 1}/{self.epochs}: train loss {_mean(self.train_losses):.4f}"
+        if self.last_val is not None:
+            accs = "/".join(f"{v:.3f}" for v in per_step(self.last_val, "full_acc"))
+            line += f", val loss {self.last_val['loss']:.4f}, val acc {accs}"
+        rate = self.tokens_per_epoch / train_seconds if train_seconds else 0.0
+        tqdm.write(f"{line}, {train_seconds:.1f}s, {rate:,.0f} tok/s")
+        plot_metrics(read_log(self.path), self.path.with_name(PLOT_FILE))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        super().close()
+
+
+class metrics_logging:  # noqa: N801 - used as a context manager, like contextlib's helpers
+    """Attach a `MetricsLog` to the library's metrics logger for the duration of a block."""
+
+    def __init__(self, handler: MetricsLog | None) -> None:
+        self.handler = handler
+        self.logger = logging.getLogger(METRICS_LOGGER)
+
+    def __enter__(self) -> MetricsLog | None:
+        if self.handler is not None:
+            self.logger.setLevel(logging.INFO)  # the library logs metrics at INFO
+            self.logger.propagate = False
+            self.logger.addHandler(self.handler)
+        return self.handler
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handler is not None:
+            self.logger.removeHandler(self.handler)
+            self.handler.close()
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def strip_epoch_suffix(metrics: dict[str, float]) -> dict[str, float]:
+    return {k.removesuffix("_epoch"): v for k, v in metrics.items()}
+
+
+def per_step(metrics: dict[str, float], name: str) -> list[float]:
+    """[metrics["name_0"], metrics["name_1"], ...] for the TTT steps present."""
+    values, k = [], 0
+    while f"{name}_{k}" in metrics:
+        values.append(metrics[f"{name}_{k}"])
+        k += 1
+    return values
+
+
+def simulated_acceptance_length(cond_accs: list[float]) -> float:
+    """1 + sum over k of prod_{j<=k} cond_acc_j: the expected tokens per verification step when
+    draft token k is accepted only if tokens 0..k-1 were."""
+    total, run = 1.0, 1.0
+    for acc in cond_accs:
+        run *= acc
+        total += run
+    return total
+
+
+@dataclass
+class ValSummary:
+    epoch: int
+    loss: float
+    full_acc: list[float]
+    cond_acc: list[float]
+    loss_per_step: list[float]
+    acceptance_length: float
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, float], epoch: int) -> ValSummary:
+        cond = per_step(metrics, "cond_acc")
+        return cls(epoch=epoch, loss=metrics["loss"], full_acc=per_step(metrics, "full_acc"), cond_acc=cond,
+                   loss_per_step=per_step(metrics, "loss"), acceptance_length=simulated_acceptance_length(cond))
+
+    def lines(self) -> list[str]:
+        rows = [f"validation after epoch {self.epoch + 1}: loss {self.loss:.4f}",
+                "  TTT step   loss      full acc   cond acc"]
+        rows += [f"  {k:>8}   {lo:<8.4f}  {fa:<9.3f}  {ca:.3f}"
+                 for k, (lo, fa, ca) in enumerate(zip(self.loss_per_step, self.full_acc, self.cond_acc))]
+        rows.append(f"simulated acceptance length: {self.acceptance_length:.3f} "
+                    "(1 + sum over k of the product of cond acc up to k)")
+        return rows
+
+
+def last_validation(records: list[dict]) -> ValSummary | None:
+    vals = [r for r in records if "val" in r]
+    return ValSummary.from_metrics(strip_epoch_suffix(vals[-1]["val"]), vals[-1]["epoch"]) if vals else None
+
+
+def best_validation(records: list[dict], epochs: list[int]) -> ValSummary | None:
+    """The validation pass with the highest simulated acceptance length among `epochs` (those with
+    a checkpoint), as SpecForge and TorchSpec pick the draft to ship; on a tie the later epoch.
+    None without validation passes."""
+    vals = [ValSummary.from_metrics(strip_epoch_suffix(r["val"]), r["epoch"]) for r in records if "val" in r]
+    vals = [v for v in vals if v.epoch in epochs]
+    return max(vals, key=lambda v: (v.acceptance_length, v.epoch)) if vals else None
+
+
+def plot_metrics(records: list[dict], path: Path) -> None:
+    """Loss and per-TTT-step accuracy against the training step: training steps as lines,
+    validation passes as markers."""
+    import matplotlib  # heavy (about a second to import): only a run that plots pays for it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["train"]) for r in records if "train" in r]
+    val = [(r["step"], strip_epoch_suffix(r["val"])) for r in records if "val" in r]
+    if not train:
+        return
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [s for s, _ in train]
+    ax_loss.plot(steps, [m["loss"] for _, m in train], lw=0.8, label="train")
+    ax_loss.plot([s for s, _ in val], [m["loss"] for _, m in val], "o-", label="validation")
+    for k in range(len(per_step(train[0][1], "full_acc"))):
+        line, = ax_acc.plot(steps, [m[f"full_acc_{k}"] for _, m in train], lw=0.8, label=f"train step {k}")
+        ax_acc.plot([s for s, _ in val], [m[f"full_acc_{k}"] for _, m in val], "o", color=line.get_color(),
+                    label=f"validation step {k}")
+    ax_loss.set(xlabel="training step", ylabel="loss (sum over TTT steps)", title="loss")
+    ax_acc.set(xlabel="training step", ylabel="full accuracy", title="accuracy per TTT step", ylim=(0, 1))
+    ax_loss.legend()
+    ax_acc.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def validation_metrics(model: torch.nn.Module, loader: DataLoader, device: torch.device, settings: TrainSettings,
+                       epoch: int = 0) -> dict[str, float]:
+    """Validation metrics as the Trainer computes them (mean over batches), for any model."""
+    model.eval()
+    loader.batch_sampler.set_epoch(epoch)
+    totals: dict[str, float] = {}
+    for batch in loader:
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        _tokens, _loss, metrics = model(**batch, **settings.call_kwargs())
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v.item()
+    return {k: v / len(loader) for k, v in totals.items()}
+
+
+@dataclass
+class TrainReport:
+    """`train_report.json`: what was trained on what, and how well."""
+
+    target: str
+    data: str
+    vocab: str
+    draft_config: str
+    settings: dict
+    train_samples: int
+    val_samples: int
+    tokens_per_epoch: int
+    epochs_run: list[int]  # epochs trained by this invocation (0-based)
+    tokens_per_second: float
+    checkpoints: list[str]
+    draft: str
+    log: str
+    plot: str
+    validation: dict | None = None  # ValSummary of the last validation pass
+    overrides: list[str] = field(default_factory=list)
+    exported_checkpoint: str | None = None  # the checkpoint the draft folder was exported from
+    exported_because: str = ""  # "best validation simulated acceptance length", or why the last one
+    best_validation: dict | None = None  # ValSummary of the exported checkpoint's validation pass
+    skipped_files: dict[str, str] = field(default_factory=dict)  # hidden-state files not used: why
+
+    def save(self, folder: Path) -> Path:
+        write_json(folder / REPORT_FILE, asdict(self))
+        return folder / REPORT_FILE

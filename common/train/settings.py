@@ -1,0 +1,137 @@
+"""Step 04's training settings: the `training` section of a draft config file, a run preset of
+configs/presets/, and 04's flags, one per field of `TrainSettings` (derived here, not listed
+beside it: `flag_specs`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from common.draft.model import DraftConfigFile, checked_fields
+from common.errors import PipelineError
+
+SCHEDULERS = ("linear", "cosine", "none")
+OPTIMIZERS = ("muon", "adamw")
+TTT_INPUTS = ("dataset", "draft")
+INITS = ("normal", "torch")
+
+
+def _setting(default: Any, text: str) -> Any:
+    """A field with the help text of its flag."""
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class TrainSettings:
+    """The `training` section of a draft config file, overridden by 04's flags of the same name."""
+
+    epochs: int = _setting(3, "training epochs")
+    lr: float = _setting(1e-4, "peak learning rate")
+    ttt_steps: int = _setting(3, "draft tokens trained per position (test-time-training steps)")
+    ttt_step_loss_decay: float = _setting(1.0, "weight of TTT step k's loss is decay**k")
+    ttt_inputs: str = _setting("dataset", "what TTT step k+1 reads in training: 'dataset' (the data's next tokens, "
+                                          "teacher-forced, as upstream speculators) or 'draft' (the draft's own "
+                                          "guesses of step k, this project's behaviour before)")
+    optimizer: str = _setting("muon", "'muon' (torch.optim.Muon on the draft layers' and fc's weight matrices, AdamW "
+                                      "on norms and lm_head, as upstream speculators) or 'adamw' (AdamW on all)")
+    muon_lr: float | None = _setting(None, "peak learning rate of the Muon matrices (default: --lr; Muon's step is "
+                                           "scaled to AdamW's RMS, so one rate fits both)")
+    freeze_draft_lm_head: bool = _setting(False, "keep the draft's lm_head at the target's (masked) lm_head, "
+                                                 "as upstream speculators does")
+    init: str = _setting("normal", "initial weights of the draft layers and fc: 'normal' (N(0, 0.02), transformers' "
+                                   "post_init, as upstream speculators) or 'torch' (PyTorch's nn.Linear defaults, "
+                                   "speculators 0.3.0's)")
+    val_ratio: float = _setting(0.1, "share of samples held out for validation (0: none)")
+    noise_std: float = _setting(0.05, "uniform noise on the auxiliary states, half-width (0: off)")
+    total_seq_len: int = _setting(8192, "tokens packed into one training sequence per rank")
+    scheduler: str = _setting("linear", "learning-rate schedule: linear, cosine or none")
+    warmup_steps: int | None = _setting(None, "warm-up steps (default: 1%% of all steps, the library's)")
+    num_workers: int = _setting(0, "data-loader worker processes")
+    seed: int = _setting(0, "seed of the split, the packing order and the draft's initialisation")
+    save_every: int = _setting(0, "optimizer steps between step checkpoints in checkpoints/steps/ (the last 2 are "
+                                  "kept; 0: at the end of each epoch only)")
+
+    @classmethod
+    def resolve(cls, file: DraftConfigFile, flags: dict[str, Any],
+                preset: Path | None = None) -> tuple[TrainSettings, list[str]]:
+        """(settings, one line per value that overrode the file). Precedence: the config file's
+        `training` section, then a run preset (`configs/presets/`), then flags (None = unset)."""
+        values = {f.name: f.default for f in fields(cls)}
+        values.update(checked_fields(cls, file.training, f"draft config {file.path} [training]"))
+        overrides = []
+        layers = [(f"preset {preset}", read_preset(preset))] if preset is not None else []
+        layers.append(("", {f"--{k.replace('_', '-')}": v for k, v in flags.items()}))
+        for source, layer in layers:
+            for key, value in layer.items():
+                name = key.removeprefix("--").replace("-", "_")
+                if value is not None:
+                    where = f"{source}: {name}" if source else key
+                    overrides.append(f"{where} {value} overrides {values[name]}")
+                    values[name] = value
+        settings = cls(**values)
+        settings.check()
+        return settings, overrides
+
+    def check(self) -> None:
+        rules = [(f"--epochs {self.epochs}", self.epochs >= 1, "at least 1"),
+                 (f"--lr {self.lr}", self.lr > 0, "positive"),
+                 (f"--muon-lr {self.muon_lr}", self.muon_lr is None or self.muon_lr > 0, "positive"),
+                 (f"--ttt-steps {self.ttt_steps}", self.ttt_steps >= 1, "at least 1"),
+                 (f"--ttt-step-loss-decay {self.ttt_step_loss_decay}", self.ttt_step_loss_decay > 0, "positive"),
+                 (f"--ttt-inputs {self.ttt_inputs}", self.ttt_inputs in TTT_INPUTS, f"one of {', '.join(TTT_INPUTS)}"),
+                 (f"--optimizer {self.optimizer}", self.optimizer in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
+                 (f"--init {self.init}", self.init in INITS, f"one of {', '.join(INITS)}"),
+                 (f"--val-ratio {self.val_ratio}", 0 <= self.val_ratio < 1, "in [0, 1)"),
+                 (f"--noise-std {self.noise_std}", self.noise_std >= 0, "0 or more"),
+                 (f"--total-seq-len {self.total_seq_len}", self.total_seq_len >= 2, "at least 2"),
+                 (f"--scheduler {self.scheduler}", self.scheduler in SCHEDULERS, f"one of {', '.join(SCHEDULERS)}"),
+                 # the library reads 0 as unset (`warmup or default`), so 0 cannot be honoured
+                 (f"--warmup-steps {self.warmup_steps}", self.warmup_steps is None or self.warmup_steps >= 1,
+                  "at least 1 (leave it unset for 1% of all steps)"),
+                 (f"--num-workers {self.num_workers}", self.num_workers >= 0, "0 or more"),
+                 (f"--save-every {self.save_every}", self.save_every >= 0, "0 (off) or more")]
+        for flag, ok, rule in rules:
+            if not ok:
+                raise PipelineError(f"{flag}: must be {rule}")
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """The draft's forward arguments of a validation pass: TTT steps read the draft's own
+        guesses, as they do when the draft serves."""
+        return {"ttt_steps": self.ttt_steps, "ttt_step_loss_decay": self.ttt_step_loss_decay}
+
+    def train_call_kwargs(self) -> dict[str, Any]:
+        """The draft's forward arguments of a training step (the library's name for teacher forcing:
+        `use_off_policy_tokens`)."""
+        return {**self.call_kwargs(), "use_off_policy_tokens": self.ttt_inputs == "dataset"}
+
+
+def flag_specs() -> dict[str, dict[str, Any]]:
+    """Field name -> `add_argument` keywords of its flag, every default None (unset: the config
+    file's value stands). A bool field gets `--name` / `--no-name`."""
+    hints = typing.get_type_hints(TrainSettings)
+    return {f.name: _flag_spec(f, hints[f.name]) for f in fields(TrainSettings)}
+
+
+def _flag_spec(f: Field, hint: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"default": None, "help": f.metadata["help"]}
+    if hint is bool:
+        return {**spec, "action": argparse.BooleanOptionalAction}
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)]  # `int | None` -> int
+    return {**spec, "type": kinds[0] if kinds else hint}
+
+
+def read_preset(path: Path) -> dict[str, Any]:
+    """The `training` section of a run preset (configs/presets/*.json), checked like a config's."""
+    if not Path(path).is_file():
+        raise PipelineError(f"preset {path}: no such file")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"preset {path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("training"), dict) or set(data) - {"comment", "training"}:
+        raise PipelineError(f"preset {path}: expected an object with a 'training' section (and an optional 'comment')")
+    return checked_fields(TrainSettings, data["training"], f"preset {path} [training]")

@@ -1,0 +1,55 @@
+"""common/train/checkpoints.py: the resume point, step-checkpoint pruning, the packing check and
+the RNG state round trip (04's end-to-end resume tests are in tests/test_04_train.py)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.errors import PipelineError
+from common.train import checkpoints
+
+
+def write_position(folder: Path, position: checkpoints.Position) -> Path:
+    folder.mkdir(parents=True)
+    checkpoints.write_state(folder, position, rank=0)
+    return folder
+
+
+def test_latest_checkpoint_is_the_furthest_step(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert checkpoints.latest(root) is None
+    write_position(root / "0", checkpoints.Position(0, 32, 32, True))
+    write_position(root / "steps" / "30", checkpoints.Position(0, 30, 30, False))
+    point = checkpoints.latest(root)
+    assert (point.folder.name, point.epoch, point.skip_batches) == ("0", 1, 0)  # the later epoch end wins
+    write_position(root / "steps" / "40", checkpoints.Position(1, 8, 40, False))
+    point = checkpoints.latest(root)
+    assert (point.folder.name, point.epoch, point.skip_batches) == ("40", 1, 8)
+    (root / "1").mkdir()  # an epoch checkpoint of an earlier version: no position, continue after it
+    assert checkpoints.latest(root).folder.name == "40"  # unknown step loses to a known one
+    write_position(root / "steps" / "45", checkpoints.Position(1, 13, 45, False))
+    checkpoints.prune_steps(root, keep=2)
+    assert checkpoints.numbered(root / "steps") == [40, 45]
+
+
+def test_mid_epoch_position_of_another_packing_is_refused(tmp_path):
+    folder = write_position(tmp_path / "steps" / "40", checkpoints.Position(1, 8, 40, False, 32, 2))
+    point = checkpoints.ResumePoint(folder, checkpoints.read_position(folder))
+    checkpoints.check_resumable(point, 32, 2)
+    with pytest.raises(PipelineError, match=r"step checkpoint .*40 was taken with 32 batches per epoch on 2 rank\(s\), "
+                                            r"this run has 16 on 4"):
+        checkpoints.check_resumable(point, 16, 4)
+
+
+def test_rng_state_round_trip(tmp_path):
+    write_position(tmp_path / "c", checkpoints.Position(0, 1, 1, False))
+    expected = torch.rand(3), random.random(), np.random.rand()
+    torch.rand(5), random.random(), np.random.rand()  # move every generator on
+    assert checkpoints.restore_rng(tmp_path / "c", rank=0)
+    assert (torch.equal(torch.rand(3), expected[0]), random.random(), np.random.rand()) == (True, *expected[1:])
+    assert not checkpoints.restore_rng(tmp_path / "c", rank=1)

@@ -1,0 +1,25 @@
+"""common/train/metrics.py: the simulated acceptance length and the choice of the checkpoint to export."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.train.metrics import best_validation, simulated_acceptance_length
+
+
+def test_best_validation_picks_the_highest_simulated_acceptance_length():
+    def record(epoch: int, acc: float) -> dict:
+        return {"epoch": epoch, "val": {"loss_epoch": 1.0, **{f"{m}_{k}_epoch": acc for m in ("full_acc", "cond_acc",
+                                                                                          "loss") for k in range(2)}}}
+
+    records = [record(0, 0.3), {"epoch": 0, "train": {}}, record(1, 0.6), record(2, 0.5), record(3, 0.6)]
+    assert best_validation(records, [0, 1, 2, 3]).epoch == 3  # a tie goes to the later epoch
+    assert best_validation(records, [0, 1, 2]).epoch == 1  # only epochs with a checkpoint
+    assert best_validation(records, [0, 1, 2]).acceptance_length == pytest.approx(1 + 0.6 + 0.36)
+    assert best_validation([{"epoch": 0, "train": {}}], [0]) is None
+
+
+def test_simulated_acceptance_length():
+    assert simulated_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert simulated_acceptance_length([1.0, 1.0]) == 3.0
+    assert simulated_acceptance_length([0.0, 0.9]) == 1.0

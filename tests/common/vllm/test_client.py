@@ -1,0 +1,66 @@
+"""common/vllm/client.py: what vLLM 0.32 cannot run on a CPU is refused before any engine starts
+(INT4 compressed-tensors experts with DeepSeek-V3 routing; an MLA target with a draft on a CPU
+without AMX tiles), by the decision vLLM's own backend selection makes; what it can run passes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import PipelineError
+from common.target.config import load_target_info
+from common.vllm.client import EngineSettings, VllmWorker, check_servable
+
+DRAFT = Path("/drafts/eagle3")  # only its presence matters: an EAGLE-3 draft's attention is Llama-style
+
+
+@pytest.fixture(scope="module")
+def infos(kimi_target, kimi_bf16_target, flat_target):
+    return {kind: load_target_info(path, trust_remote_code=True) for kind, path in
+            (("kimi", kimi_target), ("kimi-bf16", kimi_bf16_target), ("flat", flat_target))}
+
+
+def with_amx(monkeypatch, answer: bool | None) -> None:
+    """This host's answer to vLLM's AMX test (none here has AMX tiles: the AMX side cannot run)."""
+    if answer is None:
+        monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    else:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: answer)
+
+
+def test_int4_experts_are_refused_on_a_cpu_only(infos):
+    with pytest.raises(PipelineError, match=r"routed experts are INT4 \(compressed-tensors\) with sigmoid routing"
+                                            r".*kimi-bf16.*GPU host"):
+        check_servable(infos["kimi"], "cpu")
+    check_servable(infos["kimi"], "cuda")
+    check_servable(infos["kimi-bf16"], "cpu")
+    check_servable(infos["flat"], "cpu", DRAFT)
+
+
+def test_an_mla_target_with_a_draft_needs_amx_on_a_cpu(infos, monkeypatch):
+    with_amx(monkeypatch, False)
+    with pytest.raises(PipelineError, match=f"with draft {DRAFT}: .*MLA.*block size 16.*multiple of 32.*GPU host"):
+        check_servable(infos["kimi-bf16"], "cpu", DRAFT)
+    check_servable(infos["kimi-bf16"], "cpu")  # served alone (00, 02's extraction): one backend, no conflict
+    check_servable(infos["kimi-bf16"], "cuda", DRAFT)
+    with_amx(monkeypatch, True)  # vLLM picks AMX_MLA, whose block sizes are multiples of 32
+    check_servable(infos["kimi-bf16"], "cpu", DRAFT)
+
+
+def test_without_an_amx_answer_it_says_it_cannot_tell(infos, monkeypatch, capsys):
+    with_amx(monkeypatch, None)
+    check_servable(infos["kimi-bf16"], "cpu", DRAFT)
+    assert "cannot tell whether this CPU has AMX tiles" in capsys.readouterr().out
+
+
+def test_the_worker_checks_before_starting_anything(infos, monkeypatch, tmp_path):
+    """VllmWorker refuses before it starts the engine process (no python is run)."""
+    with_amx(monkeypatch, False)
+    settings = EngineSettings.for_target(infos["kimi-bf16"], 64, True)
+    settings.device, settings.draft = "cpu", str(DRAFT)
+    with pytest.raises(PipelineError, match="no common block size"):
+        VllmWorker(tmp_path / "no-python", settings)
+    assert "target" not in json.loads(settings.as_json())  # the worker gets engine arguments only
