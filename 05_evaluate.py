@@ -1,11 +1,13 @@
 """Step 05: measure a draft's real acceptance length with the target, and compare drafts.
 
 Two kinds of figures, per draft:
-- measured: real greedy speculative decoding (common/evaluate/decoding.py) on held-out prompts: the
-  draft proposes --num-speculative-tokens tokens as a chain, the target verifies them in one
-  pass. Acceptance length = tokens per verification pass, as vLLM and SGLang report it; the
-  acceptance rate per draft position; and a check that every output equals plain greedy
-  decoding of the target alone (what makes speculative decoding lossless).
+- measured: real speculative decoding (common/evaluate/decoding.py): the draft proposes k tokens
+  (--num-speculative-tokens, one or several k, each measured on the same prompts) as a chain, the
+  target verifies them in one pass. Acceptance length = tokens per verification pass, as vLLM and
+  SGLang report it; the acceptance rate per draft position; and a check that every output equals
+  plain greedy decoding of the target alone (what makes speculative decoding lossless). Prompts:
+  04's held-out rows, or published prompt sets (--prompts mt-bench, humaneval, or a file: MT-Bench,
+  HumanEval, GSM8K or chat rows) rendered with the target's chat template, per set and category.
 - offline: validation loss, full and conditional accuracy per TTT step and the simulated
   acceptance length, computed as 04's validation pass does, over held-out hidden-state files.
 
@@ -17,6 +19,9 @@ Usage:
     python 05_evaluate.py --draft RUN/draft --target DIR --prepared RUN/prepared [--data RUN/hidden_states] \
         [--reference OTHER_DRAFT] [--num-speculative-tokens 3] [--max-new-tokens 64] [--max-prompts 10] \
         [--json RUN/eval.json]
+    python scripts/fetch_prompt_sets.py            # once: MT-Bench and HumanEval into data/prompt_sets/
+    python 05_evaluate.py --prompts mt-bench --prompts humaneval --num-speculative-tokens 3 5 8 \
+        --thinking off --max-prompts 80            # as the published tables measure (instant mode, T 0.6)
     python 05_evaluate.py --target /models/Kimi-K2.5 --trust-remote-code --run-dir RUN --device-map auto
         # the real target spread over all GPUs, the draft on the first
     python 05_evaluate.py ... --engine vllm [--vllm-python .venv-vllm/bin/python] [--tensor-parallel-size 8]
@@ -35,30 +40,38 @@ from common.draft.model import load_draft
 from common.errors import PipelineError
 from common.evaluate.decoding import SamplingParams
 from common.evaluate.measure import (
-    DraftReport,
-    check_data,
+    BASELINES,
+    HeldOut,
     check_draft,
     check_prepared_of_split,
-    gap_notes,
+    fitting_offline_metrics,
     held_out,
-    measure_draft,
-    measure_ngram,
+    measure_each_k,
     measure_plain,
+    measure_plain_turns,
     no_speculation,
-    offline_metrics,
-    select_prompts,
-    summary_table,
     training_seq_len,
-    untrained_draft,
-    write_report,
 )
-from common.evaluate.served import engine_table, measure_with_vllm
+from common.evaluate.prompt_sets import PROMPT_FORMATS, PUBLISHED_SETS, read_prompt_sets
+from common.evaluate.prompts import (
+    HELD_OUT,
+    ChatPrompter,
+    Prompt,
+    decoding_mode,
+    describe_prompts,
+    longest_conversation,
+    select_prompts,
+)
+from common.evaluate.report import DraftReport, output_lines, summary_table, write_report
+from common.evaluate.served import measure_with_vllm, served_lines
 from common.runtime import Runtime, add_runtime_args
-from common.target.config import load_target_info
+from common.target.config import TargetInfo, load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer
 from common.train.data import load_hidden_states
 from common.vllm.client import EngineSettings
+
+MODES = {"on": True, "off": False}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,20 +83,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     inputs.add_argument("--reference", type=Path, default=None,
                         help="a second draft in speculators format to compare against, on the same samples")
     inputs.add_argument("--prepared", type=Path, default=None,
-                        help="prepared dataset, the prompts' source (default: RUN_DIR/prepared)")
+                        help="prepared dataset, the prompts' source without --prompts (default: RUN_DIR/prepared)")
+    inputs.add_argument("--prompts", action="append", default=None, metavar="SET",
+                        help=f"a prompt set instead of the held-out rows (repeatable): {' or '.join(PUBLISHED_SETS)} "
+                             "(fetched by scripts/fetch_prompt_sets.py) or a .jsonl/.jsonl.gz/.parquet file")
+    inputs.add_argument("--prompts-format", choices=list(PROMPT_FORMATS), default=None,
+                        help="the prompt files' format (default: detected from the fields of their first row)")
     inputs.add_argument("--data", type=Path, default=None,
                         help="hidden states for the offline metrics (default: RUN_DIR/hidden_states if present)")
     inputs.add_argument("--max-samples", type=int, default=None,
                         help="offline metrics over at most this many held-out files, the highest rows (default: all)")
     inputs.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
     decoding = parser.add_argument_group("decoding")
-    decoding.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
-                          help="draft tokens proposed per verification pass (default: %(default)s)")
+    decoding.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[3], metavar="K",
+                          help="draft tokens proposed per verification pass; several: each measured on the same "
+                               "prompts (default: %(default)s)")
     decoding.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
-    decoding.add_argument("--max-prompts", type=int, default=10, help="held-out prompts (default: %(default)s)")
-    decoding.add_argument("--temperature", type=float, default=0.0,
-                          help="0: greedy, checked identical to plain greedy decoding (default); > 0: speculative "
-                               "sampling (Kimi-K2.5 is served at 1.0 thinking, 0.6 instant)")
+    decoding.add_argument("--max-prompts", type=int, default=10,
+                          help="held-out prompts, or the first items of each prompt set (default: %(default)s)")
+    decoding.add_argument("--thinking", choices=list(MODES), default=None,
+                          help="with --prompts, for templates with a thinking switch (Kimi-K2.5): the generation "
+                               "prompt opens a think block (on) or an empty one (off); default temperature 1.0 "
+                               "(on) or 0.6 (off), Kimi-K2.5's serving values (default: the template's own, greedy)")
+    decoding.add_argument("--temperature", type=float, default=None,
+                          help="0: greedy, checked identical to plain greedy decoding (default without --thinking);"
+                               " > 0: speculative sampling")
     decoding.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
     decoding.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     decoding.add_argument("--no-baselines", action="store_true",
@@ -91,18 +115,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     decoding.add_argument("--offline-only", action="store_true", help="skip speculative decoding")
     add_runtime_args(parser, "also measure served acceptance")
     args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Flag combinations and values, refused naming the flag."""
     if args.engine == "vllm" and args.offline_only:
         raise PipelineError("--engine vllm measures served acceptance; it cannot be combined with --offline-only")
-    for flag in ("num_speculative_tokens", "max_new_tokens", "max_prompts", "max_samples"):
+    if args.offline_only and args.prompts:
+        raise PipelineError("--prompts sets are decoded; they cannot be combined with --offline-only")
+    if args.thinking is not None and not args.prompts:
+        raise PipelineError(f"--thinking {args.thinking} renders --prompts sets; the held-out prompts were rendered "
+                            "by 01 (pass --prompts)")
+    if len(set(args.num_speculative_tokens)) != len(args.num_speculative_tokens):
+        raise PipelineError(f"--num-speculative-tokens {args.num_speculative_tokens}: a k is given twice")
+    for flag in ("max_new_tokens", "max_prompts", "max_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise PipelineError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
-    if not 0.0 <= args.temperature <= 100.0:
+    if min(args.num_speculative_tokens) < 1:
+        raise PipelineError(f"--num-speculative-tokens {min(args.num_speculative_tokens)}: must be at least 1")
+    if args.temperature is not None and not 0.0 <= args.temperature <= 100.0:
         raise PipelineError(f"--temperature {args.temperature}: must be in [0, 100] (0 is greedy)")
     if not 0.0 < args.top_p <= 1.0:
         raise PipelineError(f"--top-p {args.top_p}: must be in (0, 1]")
-    if args.top_p < 1.0 and args.temperature == 0.0:
+    greedy = args.temperature == 0.0 or (args.temperature is None and args.thinking is None)
+    if args.top_p < 1.0 and greedy:
         raise PipelineError(f"--top-p {args.top_p} needs --temperature > 0 (greedy ignores it)")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,114 +151,108 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    k = args.num_speculative_tokens
+    ks = args.num_speculative_tokens
     runtime = Runtime.from_args(args)
     device, dtype = runtime.primary_device, runtime.dtype
 
-    # 1. the target, and every draft checked against it before anything heavy is loaded
+    # 1. the target, and every draft and prompt file checked against it before anything heavy is loaded
     target, trust_remote_code = resolve_target(args)
     info = load_target_info(target, trust_remote_code)
+    tokenizer = load_tokenizer(target, trust_remote_code)
     draft_dirs = {"draft": stage_dir(args, "draft", args.draft)}
     if args.reference is not None:
         draft_dirs["reference"] = args.reference
     for folder in draft_dirs.values():
         check_draft(folder, info)
+    sets = read_prompt_sets(args.prompts, args.prompts_format, args.max_prompts) if args.prompts else None
+    thinking, temperature = decoding_mode(tokenizer, MODES.get(args.thinking), args.temperature)
+    sampling = SamplingParams(temperature, args.top_p)
 
-    # 2. held-out samples: hidden states (optional unless named) and prompts
+    # 2. held-out samples: hidden states (optional unless named) and, without --prompts, prompts
     data_dir = stage_dir(args, "hidden_states", args.data)
     data = load_hidden_states(data_dir) if args.data is not None or data_dir.is_dir() else None
     if data is None and args.offline_only:
         raise PipelineError(f"--offline-only: no hidden states at {data_dir} (run 02 or pass --data)")
     split = held_out(draft_dirs["draft"], data, args.max_samples)
-    prepared_dir = stage_dir(args, "prepared", args.prepared)
-    ds, prepared = load_prepared(prepared_dir)
-    check_prepared_target(prepared, prepared_dir, info.path, info.vocab_size)
-    check_prepared_of_split(draft_dirs["draft"], prepared_dir)
-    prompts, skipped = select_prompts(ds, args.max_prompts, split.rows)
-    print(f"target {info.path} ({info.text_architecture}, {info.num_layers} layers); k = {k}; held-out: {split.rule}")
+    prompts, skipped = held_out_prompts(args, info, split) if sets is None else ([], 0)
+    print(f"target {info.path} ({info.text_architecture}, {info.num_layers} layers); k = {', '.join(map(str, ks))}; "
+          f"held-out: {split.rule}")
 
-    # 3. each draft loaded, and its offline metrics on the same files
-    reports = []
-    for name, folder in draft_dirs.items():
-        draft = load_draft(folder, target=info.path, trust_remote_code=trust_remote_code, device=device)
-        layer_ids = list(draft.config.eagle_aux_hidden_state_layer_ids)
-        report = DraftReport(name=name, path=str(folder))
-        if data is not None:
-            try:
-                check_data(data, info, layer_ids, folder)
-            except PipelineError as e:  # the data is wrong for our draft; a reference may just differ
-                if name == "draft":
-                    raise
-                print(f"offline metrics of {name} skipped: {e}")
-            else:
-                report.offline = offline_metrics(draft, data, split.files, k, training_seq_len(draft_dirs["draft"]),
-                                                 device)
-                if report.offline["skipped_files"]:
-                    print(f"offline metrics of {name}: skipped {len(report.offline['skipped_files'])} of "
-                          f"{len(split.files)} hidden-state files that could not be used")
-        reports.append((report, draft))
+    # 3. each draft loaded, and its offline metrics on the same files (at the largest k's TTT steps)
+    drafts = {name: load_draft(folder, target=info.path, trust_remote_code=trust_remote_code, device=device)
+              for name, folder in draft_dirs.items()}
+    seq_len = training_seq_len(draft_dirs["draft"])
+    reports = [DraftReport(name, str(folder), offline=fitting_offline_metrics(
+        name, drafts[name], folder, info, data, split.files, max(ks), seq_len, device))
+        for name, folder in draft_dirs.items()]
 
-    # 4. measured: plain decoding once, then speculative decoding with each draft and baseline
-    sampling = SamplingParams(args.temperature, args.top_p)
+    # 4. measured: plain decoding once (turn by turn on prompt sets), then speculative decoding with
+    #    each draft and baseline at each k
     baselines: dict[str, DraftReport] = {}
-    plain = None
+    plain, model = None, None
     if not args.offline_only:
-        context = max((len(p.ids) for p in prompts), default=0) + args.max_new_tokens + k + 1  # longest sequence
-        model = load_text_model(info, dtype, runtime.device, runtime.device_map, runtime.max_memory, context,
-                                logits=True)
+        prompter = ChatPrompter(tokenizer, thinking)
+        longest = longest_conversation(sets, prompter) if sets else max(len(p.ids) for p in prompts)
+        turns = 1 if sets is None else max(len(i.turns) for items in sets.values() for i in items)
+        model = load_text_model(info, dtype, runtime.device, runtime.device_map, runtime.max_memory,
+                                longest + turns * (args.max_new_tokens + max(ks) + 1), logits=True)
         stop_ids = set(info.stop_ids)
-        mode = "greedy" if sampling.greedy else f"sampling at temperature {args.temperature}, top-p {args.top_p}"
-        print(f"decoding {len(prompts)} prompts (rows {prompts[0].row}..{prompts[-1].row}, {skipped} without a "
-              f"prompt skipped), up to {args.max_new_tokens} new tokens each, {mode}, stop ids {sorted(stop_ids)}")
-        run = dict(k=k, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, sampling=sampling, seed=args.seed)
-        plain = measure_plain(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed)
-        for report, draft in reports:
-            report.measured = measure_draft(model, draft.to(dtype), prompts, plain, desc=report.name, **run)
-        if not args.no_baselines:
-            baselines["ngram"] = DraftReport("n-gram", "prompt lookup, n 3..1",
-                                             measure_ngram(model, prompts, plain, **run))
-            untrained = untrained_draft(reports[0][1])
-            baselines["untrained"] = DraftReport("untrained", "draft at its initial weights",
-                                                 measure_draft(model, untrained, prompts, plain, desc="untrained",
-                                                               **run))
-        baselines["none"] = DraftReport("no speculation", "target alone", no_speculation(plain, k, sampling.greedy))
+        mode = "greedy" if sampling.greedy else f"sampling at temperature {temperature}, top-p {args.top_p}"
+        print(f"decoding {describe_prompts(sets, prompts, skipped, thinking)}, up to {args.max_new_tokens} new "
+              f"tokens each, {mode}, stop ids {sorted(stop_ids)}")
+        if sets is None:
+            plain = measure_plain(model, prompts, args.max_new_tokens, stop_ids, sampling, args.seed)
+        else:
+            prompts, plain = measure_plain_turns(model, sets, prompter, args.max_new_tokens, stop_ids, sampling,
+                                                 args.seed)
+        measured = measure_each_k(model, {name: d.to(dtype) for name, d in drafts.items()}, prompts, plain, ks,
+                                  args.max_new_tokens, stop_ids, sampling, args.seed, not args.no_baselines)
+        for report in reports:
+            report.by_k = measured[report.name]
+        baselines = {key: DraftReport(name, what, measured[key]) for key, (name, what) in BASELINES.items()
+                     if key in measured}
+        baselines["none"] = DraftReport("no speculation", "target alone",
+                                        {ks[0]: no_speculation(plain, ks[0], sampling.greedy)})
 
-    # 5. served: vLLM with each draft and without speculation, on the same prompts
-    served: dict = {}
+    # 5. 05's own figures: the side-by-side table, one output text, the JSON (before any engine starts)
+    print(summary_table(reports + list(baselines.values()), ks, plain, prompts))
+    for line in output_lines(reports, prompts, tokenizer.decode):
+        print(line)
+    settings = {"target": info.path, "num_speculative_tokens": ks[0], "num_speculative_tokens_measured": ks,
+                "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "prompt_sets": list(sets or [HELD_OUT]),
+                "held_out": split.rule, "dtype": str(dtype).removeprefix("torch."), "engine": args.engine,
+                "thinking": args.thinking, "temperature": temperature,
+                "top_p": args.top_p, "seed": args.seed}
+    if args.json is not None:
+        write_report(args.json, reports, prompts, tokenizer.decode, settings, baselines, ks=ks)
+        print(f"wrote {args.json}")
+
+    # 6. served: vLLM with each draft at each k and without speculation, on the same prompts
     if runtime.vllm:
-        longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + k + 8
+        longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + max(ks) + 8
         # vLLM serves in --dtype, else its bf16, whatever 05's own decoder uses
         base = EngineSettings.for_target(info, longest, trust_remote_code, runtime.tensor_parallel_size,
                                          runtime.vllm_dtype)
-        served_plain, served = measure_with_vllm(runtime.vllm_python, base, [(p.sample_id, p.ids) for p in prompts],
-                                                 draft_dirs, k, args.max_new_tokens, set(info.stop_ids))
-
-    # 6. summary: the side-by-side table, one output text, the JSON
-    drafts = [report for report, _ in reports]
-    print(summary_table(drafts + list(baselines.values()), k, plain))
-    if served:
-        print(engine_table([r.name for r in drafts], {r.name: r.measured for r in drafts}, served,
-                           {r.name: (r.offline or {}).get("simulated_acceptance_length") for r in drafts}, k))
-    tokenizer = load_tokenizer(target, trust_remote_code)
-    decode = tokenizer.decode
-    if drafts[0].measured is not None:
-        first = drafts[0].measured.generations[0]
-        print(f"output of {prompts[0].sample_id} ({len(first.tokens)} tokens): {decode(first.tokens)!r}")
-        mismatched = [f"{r.name}: {', '.join(r.measured.mismatched)}" for r in drafts if r.measured.mismatched]
-        if mismatched:
-            print(f"NOT identical to greedy decoding: {'; '.join(mismatched)}")
-        for line in gap_notes(drafts):
+        served_plain, served = measure_with_vllm(runtime.vllm_python, base, prompts, draft_dirs, ks,
+                                                 args.max_new_tokens, set(info.stop_ids), model)
+        for line in served_lines(reports, served, ks):
             print(line)
-    if args.json is not None:
-        settings = {"target": info.path, "num_speculative_tokens": k, "max_new_tokens": args.max_new_tokens,
-                    "prompts": len(prompts), "held_out": split.rule, "dtype": str(dtype).removeprefix("torch."),
-                    "engine": args.engine, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
-        if served:
+        if args.json is not None:
             settings["vllm_plain_tokens_per_second"] = served_plain.tokens_per_second
-        write_report(args.json, drafts, prompts, decode, settings, baselines,
-                     per_draft={name: {"vllm": m.figures()} for name, m in served.items()})
-        print(f"wrote {args.json}")
+            write_report(args.json, reports, prompts, tokenizer.decode, settings, baselines, ks=ks,
+                         per_draft={name: {k: {"vllm": m.figures()} for k, m in by_k.items()}
+                                    for name, by_k in served.items()})
+            print(f"wrote {args.json} (with vLLM's figures)")
     return 0
+
+
+def held_out_prompts(args: argparse.Namespace, info: TargetInfo, split: HeldOut) -> tuple[list[Prompt], int]:
+    """The prompts of 04's held-out prepared rows (and how many rows had none)."""
+    prepared_dir = stage_dir(args, "prepared", args.prepared)
+    ds, prepared = load_prepared(prepared_dir)
+    check_prepared_target(prepared, prepared_dir, info.path, info.vocab_size)
+    check_prepared_of_split(stage_dir(args, "draft", args.draft), prepared_dir)  # its held-out rows are this data's
+    return select_prompts(ds, args.max_prompts, split.rows)
 
 
 if __name__ == "__main__":

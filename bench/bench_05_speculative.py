@@ -40,8 +40,8 @@ from common.evaluate.measure import (  # noqa: E402
     mean_distinct_ratio,
     measure_draft,
     measure_plain,
-    select_prompts,
 )
+from common.evaluate.prompts import select_prompts  # noqa: E402
 from common.fixtures.targets import ensure_target  # noqa: E402
 from common.target.config import load_target_info  # noqa: E402
 from common.target.model import load_text_model  # noqa: E402

@@ -18,6 +18,9 @@ DEMO_DATA_GLOB = "demo_*.jsonl"
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_RUN_DIR = REPO_ROOT / "runs" / "default"
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+# Published prompt sets (MT-Bench, HumanEval), fetched by scripts/fetch_prompt_sets.py; ignored by
+# git (other people's text, not shipped with the repository).
+PROMPT_SETS_DIR = DATA_DIR / "prompt_sets"
 
 FIXTURES_DIR = REPO_ROOT / "common" / "fixtures"
 TARGET_CACHE = REPO_ROOT / ".cache" / "targets"

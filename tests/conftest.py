@@ -1,8 +1,9 @@
 """Shared fixtures: the miniature targets (trained once into the repository's cache, keyed by
 a hash of the fixture code and corpus, and copied per session so no test can alter the cache),
-the demo conversations, a helper that runs a numbered script as a real subprocess, one that
-runs `vllm serve` for the duration of a test, and two that write step 02's and step 03's folders
-from random states (for checks and plumbing)."""
+the demo conversations, each target loaded with an untrained draft, a helper that runs a numbered
+script as a real subprocess, one that runs `vllm serve` for the duration of a test, two that write
+step 02's and step 03's folders from random states (for checks and plumbing), and one that writes
+an untrained draft folder."""
 
 from __future__ import annotations
 
@@ -21,18 +22,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from speculators.models.eagle3 import Eagle3DraftModel
 from transformers import AutoTokenizer
 
 from common.data.loss_mask import ChatMasker
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.draft import patch
-from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
+from common.draft.model import TINY_CONFIG, build_draft, export_draft, read_config_file, speculator_config
 from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target, ensure_targets
 from common.hidden_states.files import SAMPLE_LENGTHS, DataConfig, save_sample
 from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
+from common.target.model import load_text_model
 from common.vocab import build_maps, make_report, write_vocab
+
+DRAFT_K = 3  # TTT steps of the untrained drafts of random_draft
+DRAFT_VOCAB = 512
 
 
 def _session_copy(kind: str, tmp_path_factory) -> Path:
@@ -114,7 +120,7 @@ def assert_same_turns(hf: list[dict], served: list[dict]) -> None:
     assistant turns but for rounding ties (vLLM's CPU kernels and transformers' round differently, so
     a near-tie may break the other way): at most one turn in ten may differ."""
     assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
-    turns = [(a, b) for x, y in zip(hf, served) for a, b in zip(x["messages"], y["messages"])
+    turns = [(a, b) for x, y in zip(hf, served, strict=True) for a, b in zip(x["messages"], y["messages"])
              if a["role"] == "assistant"]
     differ = [(a, b) for a, b in turns if a != b]
     assert len(differ) <= len(turns) // 10, differ
@@ -147,6 +153,8 @@ def vllm_server(python: Path, target: Path, log: Path, *flags: str) -> Iterator[
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=120)
+
+
 def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
                         length: int = 48, seed: int = 0, storage: str = "bf16") -> Path:
     """A hidden-state folder as step 02 writes it, with random states (for checks and plumbing)."""
@@ -203,3 +211,45 @@ def packed_batch(seed: int, length: int = 24, hidden: int = 64) -> dict[str, tor
             "verifier_last_hidden_states": torch.randn(1, length, hidden, generator=g),
             "loss_mask": torch.ones(1, length, dtype=torch.long), "lengths": torch.tensor([10, length - 10]),
             "position_ids": torch.cat([torch.arange(10), torch.arange(length - 10)]).unsqueeze(0)}
+
+
+def random_draft(target: Path, seed: int = 0):
+    """An untrained draft for `target`, with a draft vocabulary that is not the identity map."""
+    patch.apply(trust_remote_code=True, compile_forward=False)
+    info = load_target_info(target, trust_remote_code=True)
+    counts = torch.zeros(info.vocab_size, dtype=torch.long)
+    counts[:4096] = torch.randint(1, 100, (4096,), generator=torch.Generator().manual_seed(seed))
+    d2t, t2d = build_maps(counts, DRAFT_VOCAB)
+    config = speculator_config(read_config_file(TINY_CONFIG).model, info, DRAFT_VOCAB, info.default_layer_ids(),
+                               DRAFT_K)
+    torch.manual_seed(seed)
+    return build_draft(config, t2d, d2t).eval()
+
+
+def export_untrained(target: Path, out: Path, seed: int = 0) -> Path:
+    """A draft folder in speculators format holding an untrained draft, through 04's exporter."""
+    draft = random_draft(target, seed)
+    checkpoint = out.parent / f".{out.name}-checkpoint"
+    checkpoint.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(checkpoint / "model.safetensors"))
+    return export_draft(checkpoint, draft.config, out)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The miniature models are too small to gain from intra-op threads, and on a shared 2-core
+    machine two threads spinning against other processes make each forward pass ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def models(kimi_target, flat_target):
+    """(target model, info, random draft) per miniature target, loaded once."""
+    loaded = {}
+    for name, path in (("kimi", kimi_target), ("flat", flat_target)):
+        info = load_target_info(path, trust_remote_code=True)
+        loaded[name] = (load_text_model(info), info, random_draft(path))
+    return loaded

@@ -35,10 +35,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import export_untrained, run_script
 from test_02_extract import BATCH_TOKENS, assert_same_files, extract_args, folder_digest, write_prepared
 from test_04_train import write_hidden_states
-from test_05_evaluate import export_untrained
 
 from common.atomic import TMP_PREFIX
 from common.defaults import REPO_ROOT
@@ -588,8 +587,9 @@ FAULTS = [
     Fault("disk_full_01", PREPARE, lambda ws: ws.prepare("--input", REPO_ROOT / "data" / "demo_conversations.jsonl",
                                                          "--output", mounted_tmpfs(ws, "64k") / "prepared"),
           1, r"cannot write .*mnt/\.tmp-prepared\.scratch\.\w+: no space left on its disk \([\d.,]+ [KM]?B free\)"),
-    Fault("file_size_limit_01", PREPARE, lambda ws: ws.prepare("--input", REPO_ROOT / "data" / "demo_conversations.jsonl",
-                                                               "--output", ws.run / "new_prepared"),
+    Fault("file_size_limit_01", PREPARE,
+          lambda ws: ws.prepare("--input", REPO_ROOT / "data" / "demo_conversations.jsonl", "--output",
+                                ws.run / "new_prepared"),
           1, r"cannot write .*\.tmp-new_prepared\.scratch\.\w+: file too large for the file-size limit",
           file_size_limit=64_000),
     # 02: the target, the prepared data, the output folder
@@ -642,8 +642,8 @@ FAULTS = [
           1, r"cannot write .*new_hidden_states/00000/data_\d+\.pt \(.*\); this process may write files of at most "
              r"[\d.]+ KB \(ulimit -f\)", may_add=("new_hidden_states/*",), file_size_limit=20_000),
     Fault("second_02_while_first_runs", EXTRACT, second_extract_while_first_runs,
-          1, r"output folder .*new_hidden_states: 02_extract_hidden_states\.py \(pid \d+ on .*\) is writing shard 0 of 1 "
-             "into it"),
+          1, r"output folder .*new_hidden_states: 02_extract_hidden_states\.py \(pid \d+ on .*\) is writing shard 0 "
+             "of 1 into it"),
     # 03
     Fault("prepared_arrow_cut_short", VOCAB, truncated_arrow,
           1, r"prepared dataset .*prepared: data-00000-of-00001\.arrow cannot be read \(.*\); run 01_prepare_data\.py "

@@ -1,12 +1,12 @@
-"""Evaluating drafts (step 05): measured acceptance length by real speculative decoding,
-offline metrics over held-out hidden-state files, and the side-by-side report.
+"""Measuring drafts (step 05): the acceptance length of real speculative decoding of the prompts
+(`common/evaluate/prompts.py`) against plain decoding of the target, and the offline metrics over
+held-out hidden-state files; `common/evaluate/report.py` lays the figures out.
 
 Held-out samples: 04 writes the prepared rows it validated on into the draft folder
 (`validation_split.json`); file `data_{i}.pt` is prepared row i. 05 takes prompts and offline
 metrics from exactly those rows. Without such a record (a draft trained elsewhere, or
 `--val-ratio 0`) every file of `--data` is evaluated and prompts come from the last rows of the
-prepared dataset; the summary says which rule was used. A prompt is a sample's tokens up to its
-first supervised token (loss_mask 1): the conversation up to where the assistant starts answering.
+prepared dataset; the summary says which rule was used.
 
 Baselines on the same prompts and settings: no speculation (acceptance length 1), n-gram prompt
 lookup (vLLM's `ngram` method) and the draft at its initial weights.
@@ -14,14 +14,15 @@ lookup (vLLM's `ngram` method) and the draft at its initial weights.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from common.atomic import read_json, write_json
+from common.atomic import read_json
 from common.data.fingerprints import prepared_fingerprint
 from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
 from common.errors import PipelineError
@@ -37,6 +38,8 @@ from common.evaluate.decoding import (
     plain_generate,
     speculative_generate,
 )
+from common.evaluate.prompt_sets import PromptItem
+from common.evaluate.prompts import ChatPrompter, Prompt, ask_turns
 from common.hidden_states.capture import capture_layers
 from common.hidden_states.files import sample_index
 from common.target.config import TargetInfo
@@ -48,10 +51,11 @@ from common.train.settings import TrainSettings
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
 __all__ = [
-    "check_draft", "HeldOut", "held_out", "check_prepared_of_split", "check_data", "offline_metrics", "training_seq_len", "Prompt",
-    "select_prompts", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain",
-    "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "DraftReport", "summary_table",
-    "gap_notes", "write_report", "no_speculation",
+    "check_draft", "HeldOut", "held_out", "check_prepared_of_split", "check_data", "offline_metrics",
+    "fitting_offline_metrics",
+    "training_seq_len", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain",
+    "measure_plain_turns", "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "no_speculation",
+    "BASELINES", "measure_each_k",
 ]
 
 
@@ -175,40 +179,34 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
             "samples": len(files), "tokens": epoch_tokens(data, files, total_seq_len)}
 
 
+def fitting_offline_metrics(name: str, draft: torch.nn.Module, folder: Path, info: TargetInfo,
+                            data: HiddenStateData | None, files: list[Path] | None, k: int, total_seq_len: int,
+                            device: torch.device) -> dict | None:
+    """`offline_metrics` of draft `name` when there are hidden states and they fit it; None
+    otherwise. States that do not fit the draft under evaluation (`draft`) are an error, for a
+    reference they only skip its offline metrics (it may read other layers)."""
+    if data is None:
+        return None
+    try:
+        check_data(data, info, list(draft.config.eagle_aux_hidden_state_layer_ids), folder)
+    except PipelineError as e:
+        if name == "draft":
+            raise
+        print(f"offline metrics of {name} skipped: {e}")
+        return None
+    metrics = offline_metrics(draft, data, files, k, total_seq_len, device)
+    if metrics["skipped_files"]:
+        print(f"offline metrics of {name}: skipped {len(metrics['skipped_files'])} of {len(files)} hidden-state files "
+              "that could not be used")
+    return metrics
+
+
 def training_seq_len(draft_dir: str | Path) -> int:
     """The packed sequence length the draft was validated with in 04, if its report says."""
     report_path = Path(draft_dir).parent / REPORT_FILE
     if report_path.is_file():
         return int(read_json(report_path).get("settings", {}).get("total_seq_len", DEFAULT_EVAL_SEQ_LEN))
     return DEFAULT_EVAL_SEQ_LEN
-
-
-@dataclass(frozen=True)
-class Prompt:
-    row: int  # row of the prepared dataset
-    sample_id: str
-    ids: list[int]
-
-
-def select_prompts(ds, max_prompts: int, rows: list[int] | None = None) -> tuple[list[Prompt], int]:
-    """Up to `max_prompts` prompts from `rows` (default: the dataset's last rows), in row order;
-    also the number of candidate rows skipped (no supervised token, or nothing before it)."""
-    candidates = list(range(len(ds))) if rows is None else sorted(rows)
-    prompts, skipped = [], 0
-    for row in reversed(candidates):
-        if len(prompts) == max_prompts:
-            break
-        sample = ds[row]
-        mask = sample["loss_mask"]
-        first = mask.index(1) if 1 in mask else 0
-        if first < 1:
-            skipped += 1
-            continue
-        prompts.append(Prompt(row, str(sample["sample_id"]), list(sample["input_ids"][:first])))
-    if not prompts:
-        raise PipelineError(f"none of the {len(candidates)} candidate prepared samples has a prompt "
-                            "(tokens before its first supervised token)")
-    return prompts[::-1], skipped
 
 
 @dataclass
@@ -278,6 +276,23 @@ def measure_plain(target: torch.nn.Module, prompts: list[Prompt], max_new_tokens
             for p in tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress)]
 
 
+def measure_plain_turns(target: torch.nn.Module, sets: dict[str, list[PromptItem]], prompter: ChatPrompter,
+                        max_new_tokens: int, stop_ids: set[int], sampling: SamplingParams = SamplingParams(),
+                        seed: int = 0) -> tuple[list[Prompt], list[Generation]]:
+    """Every turn of every item of the prompt sets, and its plain decoding: turn by turn, each
+    turn's prompt holding the target's own (plain) answers to the turns before it."""
+    plain: dict[int, Generation] = {}
+
+    def answer(prompts: list[Prompt]) -> list[list[int]]:
+        generations = measure_plain(target, prompts, max_new_tokens, stop_ids, sampling, seed)
+        for prompt, generation in zip(prompts, generations):
+            plain[prompt.row] = generation
+        return [plain[p.row].tokens for p in prompts]
+
+    prompts = ask_turns(sets, prompter, answer, stop_ids)
+    return prompts, [plain[p.row] for p in prompts]
+
+
 def measure_proposer(target: torch.nn.Module, proposer, layer_ids: list[int], prompts: list[Prompt],
                      plain: list[Generation], k: int, max_new_tokens: int, stop_ids: set[int],
                      sampling: SamplingParams = SamplingParams(), seed: int = 0, desc: str = "speculative",
@@ -324,134 +339,39 @@ def untrained_draft(draft: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return fresh.to(device=draft.fc.weight.device, dtype=draft.fc.weight.dtype).eval()
 
 
-@dataclass
-class DraftReport:
-    """Everything reported for one draft."""
-
-    name: str
-    path: str
-    measured: MeasuredResult | None = None
-    offline: dict | None = None  # val_loss, full_acc, cond_acc, simulated_acceptance_length, samples, tokens
-
-    def figures(self, prompts: list[Prompt], decode) -> dict:
-        """The JSON block of this draft (`decode(ids) -> str` renders the output texts)."""
-        out: dict = {"name": self.name, "path": self.path}
-        offline = self.offline or {}
-        out["simulated_acceptance_length"] = offline.get("simulated_acceptance_length")
-        out["offline_skipped_files"] = offline.get("skipped_files", {})  # damaged hidden-state files left out
-        if self.measured is not None:
-            m = self.measured
-            out.update({
-                "measured_acceptance_length": _finite(m.stats.acceptance_length),
-                "acceptance_rate_per_position": [_finite(r) for r in m.stats.acceptance_rate_per_position],
-                "identical_to_greedy": m.identical_to_greedy,
-                "mismatched_samples": m.mismatched,
-                "target_passes": m.stats.passes,
-                "tokens_generated": m.tokens,
-                "tokens_per_second": _finite(m.tokens_per_second),
-                "speedup_over_greedy": _finite(m.speedup),
-                "degenerate_share": _finite(m.degenerate_share),
-                "distinct_ratio": _finite(m.distinct_ratio),
-                "generations": [
-                    {"sample_id": p.sample_id, "row": p.row, "prompt_tokens": len(p.ids), "tokens": g.tokens,
-                     "accepted_per_pass": g.accepted, "text": decode(g.tokens)}
-                    for p, g in zip(prompts, m.generations)],
-            })
-        if self.offline is not None:
-            out["offline"] = self.offline
-        return out
-
-
 def no_speculation(plain: list[Generation], k: int, greedy: bool = True) -> MeasuredResult:
     """Plain decoding as a column of the table: one token per target pass (acceptance length 1)."""
     stats = SpeculativeStats(k)
-    for g in plain:  # the prefill pass emits the first token and is not counted, as for the drafts
-        stats.add(Generation(g.prompt_len, g.tokens, accepted=[0] * max(0, len(g.tokens) - 1)))
+    # one pass per token after the first: the prefill pass emits it and is not counted, as for the drafts
+    generations = [Generation(g.prompt_len, g.tokens, g.seconds, accepted=[0] * max(0, len(g.tokens) - 1))
+                   for g in plain]
+    for g in generations:
+        stats.add(g)
     seconds = sum(g.seconds for g in plain)
-    return MeasuredResult(k=k, stats=stats, generations=plain, seconds=seconds, greedy_seconds=seconds,
+    return MeasuredResult(k=k, stats=stats, generations=generations, seconds=seconds, greedy_seconds=seconds,
                           compared=greedy)
 
 
-def _finite(x: float) -> float | None:
-    return None if x is None or math.isnan(x) else round(float(x), 6)
+# Baselines measured beside the drafts: key -> (column name, what it is).
+BASELINES = {"ngram": ("n-gram", "prompt lookup, n 3..1"), "untrained": ("untrained", "draft at its initial weights")}
 
 
-def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    return f"{value:.{digits}f}" if isinstance(value, float) else f"{value:,}"
-
-
-def summary_table(reports: list[DraftReport], k: int, plain: list[Generation] | None = None) -> str:
-    """One column per draft or baseline, one row per figure: the side-by-side comparison. The
-    speed row names the share of `plain` (the target's own) generations that loop: a looping
-    target makes any draft look fast."""
-    rows: list[tuple[str, list]] = []
-    measured = [r.measured for r in reports]
-    offline = [r.offline or {} for r in reports]
-    if any(m is not None for m in measured):
-        rows.append(("measured acceptance length", [m and _finite(m.stats.acceptance_length) for m in measured]))
-        for j in range(k):
-            rows.append((f"  acceptance rate, draft {j + 1}",
-                         [m and _finite(m.stats.acceptance_rate_per_position[j]) for m in measured]))
-        rows.append(("identical to greedy", [m and m.identical_to_greedy for m in measured]))
-        rows.append(("target passes", [m and m.stats.passes for m in measured]))
-        rows.append((f"generations looping (a token > {LOOP_RUN}x in a row)",
-                     [m and _finite(m.degenerate_share) for m in measured]))
-        rows.append(("distinct-token ratio", [m and _finite(m.distinct_ratio) for m in measured]))
-        rows.append(("tokens/s", [m and _finite(m.tokens_per_second) for m in measured]))
-        loops = f"{100 * degenerate_share(plain):#.3g}% of plain generations loop" if plain else "loops unknown"
-        rows.append((f"speedup over plain decoding ({loops})", [m and _finite(m.speedup) for m in measured]))
-    if any(offline):
-        rows.append(("simulated acceptance length", [o.get("simulated_acceptance_length") for o in offline]))
-        rows.append(("validation loss", [o.get("val_loss") for o in offline]))
-        for j in range(k):
-            rows.append((f"  full accuracy, step {j}", [_at(o.get("full_acc"), j) for o in offline]))
-            rows.append((f"  cond. accuracy, step {j}", [_at(o.get("cond_acc"), j) for o in offline]))
-    header = ["", *(r.name for r in reports)]
-    body = [[label, *(_fmt(v) for v in values)] for label, values in rows]
-    widths = [max(len(line[c]) for line in [header, *body]) for c in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(line, widths)))
-             for line in [header, *body]]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
-
-
-GAP = 0.1  # simulated minus measured acceptance length worth explaining
-
-
-def gap_notes(reports: list[DraftReport]) -> list[str]:
-    """A note for each draft whose measured acceptance length falls well short of its simulated
-    one: the simulated figure is taken on the dataset's answers, the measured one on the
-    target's own continuations, and they part when the two differ."""
-    notes = []
-    for r in reports:
-        simulated = (r.offline or {}).get("simulated_acceptance_length")
-        if r.measured is None or simulated is None:
-            continue
-        measured = r.measured.stats.acceptance_length
-        if simulated - measured > GAP:
-            notes.append(f"note: {r.name} measures {measured:.3f} but simulates {simulated:.3f}: the simulated figure "
-                         "scores the dataset's answers, the measured one the target's own greedy continuations; a "
-                         "large gap means the training answers are not what the target writes (regenerate them "
-                         "with the target, as EAGLE training data usually is)")
-    return notes
-
-
-def _at(values: list | None, j: int):
-    return values[j] if values is not None and j < len(values) else None
-
-
-def write_report(path: str | Path, reports: list[DraftReport], prompts: list[Prompt], decode, settings: dict,
-                 baselines: dict[str, DraftReport] | None = None, per_draft: dict[str, dict] | None = None) -> None:
-    """`--json`: the first draft's figures at the top level (the command-line contract), every
-    draft's under `drafts` (with its `per_draft` block, e.g. vLLM's figures), each baseline's
-    (`none`, `ngram`, `untrained`) under `baselines`, and the settings they were measured with."""
-    drafts = [r.figures(prompts, decode) | (per_draft or {}).get(r.name, {}) for r in reports]
-    top = {key: drafts[0].get(key) for key in ("measured_acceptance_length", "simulated_acceptance_length",
-                                                "acceptance_rate_per_position", "identical_to_greedy",
-                                                "degenerate_share", "distinct_ratio")}
-    extra = {name: r.figures(prompts, decode) for name, r in (baselines or {}).items()}
-    write_json(path, {**top, **settings, "drafts": drafts, "baselines": extra})
+def measure_each_k(target: torch.nn.Module, drafts: dict[str, torch.nn.Module], prompts: list[Prompt],
+                   plain: list[Generation], ks: list[int], max_new_tokens: int, stop_ids: set[int],
+                   sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                   baselines: bool = True) -> dict[str, dict[int, MeasuredResult]]:
+    """{name: {k: result}}: speculative decoding of the prompts with each draft at each k, and
+    with `baselines` the BASELINES (the untrained one: the first draft's config at initial weights)."""
+    proposers: dict[str, tuple[Callable[[], Any], list[int]]] = {
+        name: (lambda d=draft: DraftProposer(d), list(draft.config.eagle_aux_hidden_state_layer_ids))
+        for name, draft in drafts.items()}
+    if baselines:
+        untrained = untrained_draft(next(iter(drafts.values())))
+        proposers["ngram"] = (NgramProposer, [])
+        proposers["untrained"] = (lambda: DraftProposer(untrained), proposers[next(iter(drafts))][1])
+    out: dict[str, dict[int, MeasuredResult]] = {name: {} for name in proposers}
+    for k in ks:
+        for name, (proposer, layer_ids) in proposers.items():
+            out[name][k] = measure_proposer(target, proposer(), layer_ids, prompts, plain, k, max_new_tokens,
+                                            stop_ids, sampling, seed, f"{name} k={k}")
+    return out

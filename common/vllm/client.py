@@ -118,7 +118,8 @@ def _mla_with_draft_on_cpu(info: TargetInfo) -> str | None:
     (platforms/cpu.py) then picks its reference CPU_MLA backend, which forces KV block size 16,
     while the draft's attention (CPU_ATTN) needs a multiple of 32: the engine cannot start ("No
     common block size"). With AMX (x86 and `torch.cpu._is_amx_tile_supported()`, the same call
-    vLLM makes) it picks AMX_MLA, whose block sizes are multiples of 32, and both fit."""
+    vLLM makes) it picks AMX_MLA, whose block sizes are multiples of 32, and both fit; with
+    VLLM_MLA_DISABLE=1 the target's attention is plain CPU_ATTN too (seen starting and serving here)."""
     mla = getattr(info.text_config, "kv_lora_rank", None) is not None  # vLLM's use_mla for these model types
     if not mla or os.environ.get("VLLM_MLA_DISABLE", "0") not in ("", "0"):
         return None
@@ -132,7 +133,8 @@ def _mla_with_draft_on_cpu(info: TargetInfo) -> str | None:
         return None
     return ("its attention is MLA, and on a CPU without AMX vLLM's CPU_MLA backend forces KV block size 16 while "
             "the draft's attention needs a multiple of 32 (no common block size); serve it on a GPU host or a CPU "
-            "with AMX (Intel Sapphire Rapids or later), or measure with 05's own decoder (--engine hf)")
+            "with AMX (Intel Sapphire Rapids or later), or here with VLLM_MLA_DISABLE=1 (vLLM then runs the "
+            "target's attention without MLA's absorbed kernels)")
 
 
 def _cpu_has_amx() -> bool | None:

@@ -10,6 +10,7 @@ import torch
 
 from common.errors import PipelineError
 from common.runtime import Runtime, add_runtime_args, default_device
+from common.target.config import load_target_info
 from common.target.device_plan import DevicePlanError
 
 
@@ -55,3 +56,13 @@ def test_placement_flags_are_checked_before_anything_loads():
     with pytest.raises(SystemExit):  # argparse: --device and --device-map exclude each other
         parse("--device", "cpu", "--device-map", "auto")
     assert not hasattr(parse(device_map=False), "device_map")
+
+
+def test_check_target_refuses_what_its_vllm_engine_cannot_run_here(kimi_target):
+    """INT4 DeepSeek-V3-routed experts on a CPU: refused for the vLLM worker, not for the HF engine
+    nor for a server given by URL (already running: it decided itself)."""
+    info = load_target_info(kimi_target, trust_remote_code=True)
+    with pytest.raises(PipelineError, match="routed experts are INT4"):
+        Runtime(engine="vllm").check_target(info)
+    Runtime(engine="hf").check_target(info)
+    Runtime(engine="vllm", vllm_url="http://h:8000").check_target(info)

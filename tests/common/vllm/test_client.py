@@ -5,11 +5,13 @@ without AMX tiles), by the decision vLLM's own backend selection makes; what it 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.defaults import REPO_ROOT
 from common.errors import PipelineError
 from common.target.config import load_target_info
 from common.vllm.client import EngineSettings, VllmWorker, check_servable
@@ -42,11 +44,17 @@ def test_int4_experts_are_refused_on_a_cpu_only(infos):
 
 def test_an_mla_target_with_a_draft_needs_amx_on_a_cpu(infos, monkeypatch):
     with_amx(monkeypatch, False)
-    with pytest.raises(PipelineError, match=f"with draft {DRAFT}: .*MLA.*block size 16.*multiple of 32.*GPU host"):
+    with pytest.raises(PipelineError, match=f"with draft {DRAFT}: .*MLA.*block size 16.*multiple of 32.*GPU host.*VLLM_MLA_DISABLE=1"):
         check_servable(infos["kimi-bf16"], "cpu", DRAFT)
     check_servable(infos["kimi-bf16"], "cpu")  # served alone (00, 02's extraction): one backend, no conflict
     check_servable(infos["kimi-bf16"], "cuda", DRAFT)
     with_amx(monkeypatch, True)  # vLLM picks AMX_MLA, whose block sizes are multiples of 32
+    check_servable(infos["kimi-bf16"], "cpu", DRAFT)
+
+
+def test_vllm_mla_disable_lets_a_draft_be_served_on_any_cpu(infos, monkeypatch):
+    with_amx(monkeypatch, False)
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")  # the target's attention is then CPU_ATTN as well
     check_servable(infos["kimi-bf16"], "cpu", DRAFT)
 
 
@@ -64,3 +72,11 @@ def test_the_worker_checks_before_starting_anything(infos, monkeypatch, tmp_path
     with pytest.raises(PipelineError, match="no common block size"):
         VllmWorker(tmp_path / "no-python", settings)
     assert "target" not in json.loads(settings.as_json())  # the worker gets engine arguments only
+
+
+@pytest.mark.vllm
+def test_worker_and_connector_import_in_the_vllm_environment(vllm_python):
+    """The two modules that run inside .venv-vllm (transformers 5.x, no training stack) import there."""
+    probe = subprocess.run([str(vllm_python), "-c", "import common.vllm.worker, common.vllm.cpu_connector; print('ok')"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert probe.stdout.strip().splitlines()[-1:] == ["ok"], probe.stderr[-2000:]
