@@ -20,7 +20,9 @@ Usage:
         [--tensor-parallel-size 8]                       # vLLM from its own environment (common/vllm/client.py)
 
 Run the same command again to resume: complete files are kept, unreadable ones redone (files the
-journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Shards
+journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Add
+`--verify` to re-read every finished file and redo those whose bytes no longer have the digest
+the journal recorded when they were written (a file damaged in place keeps its size). Shards
 may share one output folder; the last one to finish writes sample_lengths.json/data_config.json.
 """
 
@@ -34,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from common.atomic import format_bytes
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.data.prepared_dataset import check_prepared_target, load_prepared
 from common.errors import PipelineError
@@ -59,6 +62,7 @@ from common.hidden_states.files import (
     new_data_config,
     remove_own_temporaries,
     remove_stale_rows,
+    shard_lock,
     write_manifest,
 )
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage
@@ -95,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="this process's shard, 0-based (default: $RANK or 0)")
     batching.add_argument("--skip-disk-check", action="store_true",
                           help="start even when the output disk looks too small")
+    batching.add_argument("--verify", action="store_true",
+                          help="re-read every finished file and redo those whose bytes differ from the digest "
+                               "recorded when they were written (a plain restart only checks sizes)")
     add_runtime_args(parser, "extract")
     args = parser.parse_args(argv)
     if args.batch_tokens <= 0:
@@ -154,54 +161,56 @@ def main(argv: list[str] | None = None) -> int:
     mine = {i for batch in batches for i in batch}
     manifest = manifest_path(out, args.shard_index, args.num_shards)
     out.mkdir(parents=True, exist_ok=True)
-    remove_own_temporaries(out, mine, manifest)
-    stale = remove_stale_rows(out, config, num_rows)
-    if stale:
-        print(f"{out} was written from another prepared dataset: removed {stale:,} files of rows past its end")
-    done, redo = find_done(out, ds, mine, info.hidden_size, storage=storage)
-    todo_tokens = sum(lengths[i] for i in mine - done)
+    with shard_lock(out, args.shard_index, args.num_shards):  # a second 02 on this shard is refused
+        remove_own_temporaries(out, mine, manifest)
+        stale = remove_stale_rows(out, config, num_rows)
+        if stale:
+            print(f"{out} was written from another prepared dataset: removed {stale:,} files of rows past its end")
+        done, redo = find_done(out, ds, mine, info.hidden_size, storage=storage, verify=args.verify)
+        todo_tokens = sum(lengths[i] for i in mine - done)
 
-    # 4. Disk: refuse to start a run that cannot finish.
-    needed = estimate_bytes(todo_tokens, len(mine - done), info.hidden_size, storage)
-    if not args.skip_disk_check:
-        check_disk(out, needed)
-    shard = f"shard {args.shard_index} of {args.num_shards}: " if args.num_shards > 1 else ""
-    print(f"{shard}{len(mine):,} samples in {len(batches):,} batches: {len(done):,} done, {redo:,} to redo, "
-          f"{len(mine - done):,} to extract ({todo_tokens:,} tokens, about {needed / 1e9:,.2f} GB)")
-    print(f"target {info.path} ({info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}); "
-          f"states {layer_ids} + post-norm final; compute on {runtime.describe()}, stored as {storage.name}")
+        # 4. Disk: refuse to start a run that cannot finish.
+        needed = estimate_bytes(todo_tokens, len(mine - done), info.hidden_size, storage)
+        if not args.skip_disk_check:
+            check_disk(out, needed)
+        shard = f"shard {args.shard_index} of {args.num_shards}: " if args.num_shards > 1 else ""
+        print(f"{shard}{len(mine):,} samples in {len(batches):,} batches: {len(done):,} done, {redo:,} to redo, "
+              f"{len(mine - done):,} to extract ({todo_tokens:,} tokens, about {format_bytes(needed)})")
+        print(f"target {info.path} ({info.architecture}, {info.num_layers} layers, hidden {info.hidden_size}); "
+              f"states {layer_ids} + post-norm final; compute on {runtime.describe()}, stored as {storage.name}")
 
-    # 5. Extract.
-    write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
-    stats = ExtractStats()
-    if mine - done:
-        show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
-        with Journal(journal_path(out, args.shard_index, args.num_shards)) as journal, \
-                open_extractor(runtime, info, trust_remote_code, layer_ids, storage, out, max(lengths.values()),
-                               args.batch_tokens, (args.shard_index, args.num_shards)) as extractor:
-            stats = ExtractionRun(extractor, ds, out, show_progress=show, journal=journal).run(batches, done, lengths)
+        # 5. Extract.
+        write_manifest(manifest, config, {i: lengths[i] for i in done}, [], finished=False)
+        stats = ExtractStats()
+        if mine - done:
+            show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
+            with Journal(journal_path(out, args.shard_index, args.num_shards)) as journal, \
+                    open_extractor(runtime, info, trust_remote_code, layer_ids, storage, out, max(lengths.values()),
+                                   args.batch_tokens, (args.shard_index, args.num_shards)) as extractor:
+                run = ExtractionRun(extractor, ds, out, show_progress=show, journal=journal)
+                stats = run.run(batches, done, lengths)
 
-    # 6. This shard's manifest; the last shard to finish merges them all.
-    write_manifest(manifest, config, {i: lengths[i] for i in done} | stats.written, stats.failed, finished=True)
-    merged = merge_manifests(out, args.num_shards)
+        # 6. This shard's manifest; the last shard to finish merges them all.
+        write_manifest(manifest, config, {i: lengths[i] for i in done} | stats.written, stats.failed, finished=True)
+        merged = merge_manifests(out, args.num_shards)
 
-    if stats.written:
-        tokens = stats.tokens
-        print(f"{shard}extracted {len(stats.written):,} samples ({tokens:,} tokens) in {stats.seconds:,.1f}s: "
-              f"{tokens / stats.seconds:,.0f} tokens/s, forward pass {stats.forward_seconds / stats.seconds:.0%} "
-              "of the time")
-        print(f"hidden states {stats.state_bytes / tokens:,.0f} B/token ({storage.name}: "
-              f"{storage.bytes_per_token(NUM_STATES, info.hidden_size):,} = {NUM_STATES} x {info.hidden_size} x "
-              f"{storage.dtype.itemsize}{' + scales' if storage.scaled else ''}), "
-              f"files {stats.file_bytes / tokens:,.0f} B/token, {stats.file_bytes / 1e6:,.1f} MB written")
-    print(f"{shard}kept {len(done):,} existing, extracted {len(stats.written):,}, failed {len(stats.failed):,}"
-          + "".join(f"\n  failed {f['sample_id']} (row {f['index']}): {f['error']}" for f in stats.failed[:10]))
-    if merged:
-        print(f"output: {out} ({merged.sample_count:,} samples, {merged.token_count:,} tokens, "
-              f"{merged.bytes_total / 1e6:,.1f} MB; data_config.json, sample_lengths.json)")
-    else:
-        print(f"output: {out} (sample_lengths.json and data_config.json follow when the last shard finishes)")
-    return 0
+        if stats.written:
+            tokens = stats.tokens
+            print(f"{shard}extracted {len(stats.written):,} samples ({tokens:,} tokens) in {stats.seconds:,.1f}s: "
+                  f"{tokens / stats.seconds:,.0f} tokens/s, forward pass {stats.forward_seconds / stats.seconds:.0%} "
+                  "of the time")
+            print(f"hidden states {stats.state_bytes / tokens:,.0f} B/token ({storage.name}: "
+                  f"{storage.bytes_per_token(NUM_STATES, info.hidden_size):,} = {NUM_STATES} x {info.hidden_size} x "
+                  f"{storage.dtype.itemsize}{' + scales' if storage.scaled else ''}), "
+                  f"files {stats.file_bytes / tokens:,.0f} B/token, {stats.file_bytes / 1e6:,.1f} MB written")
+        print(f"{shard}kept {len(done):,} existing, extracted {len(stats.written):,}, failed {len(stats.failed):,}"
+              + "".join(f"\n  failed {f['sample_id']} (row {f['index']}): {f['error']}" for f in stats.failed[:10]))
+        if merged:
+            print(f"output: {out} ({merged.sample_count:,} samples, {merged.token_count:,} tokens, "
+                  f"{merged.bytes_total / 1e6:,.1f} MB; data_config.json, sample_lengths.json)")
+        else:
+            print(f"output: {out} (sample_lengths.json and data_config.json follow when the last shard finishes)")
+        return 0
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from common.draft.model import (
 )
 from common.runtime import default_device
 from common.target.config import load_target_info
-from common.train.checkpoints import check_resumable, numbered
+from common.train.checkpoints import check_resumable, check_same_settings, numbered
 from common.train.data import (
     SPLIT_FILE,
     check_data_fits,
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     # 3. draft model, and the epoch to start at
     config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
     resume = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
+    if resume is not None:
+        check_same_settings(resume, vars(settings))  # applied from the resumed step, or refused
     start_epoch = resume.epoch if resume is not None else 0
     if distributed:
         torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside
@@ -155,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     # 4. data: the library's split, dataset, noise, packing sampler and collate
     train_files, val_files = split_data(data, settings.val_ratio, settings.seed)
     pin = device.type == "cuda"
-    train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin)
-    val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin) if val_files else None
+    skips = data.skip_tally()  # damaged files are skipped and counted, up to a share (common/train/sample_files.py)
+    train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin, tally=skips)
+    val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin, skips) if val_files else None
     tokens = epoch_tokens(data, train_files, settings.total_seq_len)
     say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
         f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     because = ("best validation simulated acceptance length" if best
                else "last checkpoint (no validation pass: --val-ratio 0)")
     draft_dir = export_draft(output / CHECKPOINTS / str(chosen), config, output / DRAFT,
-                             {SPLIT_FILE: split_record(data, train_files, val_files, settings)})
+                             {SPLIT_FILE: split_record(data, train_files, val_files, settings, output / DRAFT)})
     print(f"exported checkpoint {output / CHECKPOINTS / str(chosen)} ({because}"
           + (f": {best.acceptance_length:.3f} after epoch {best.epoch + 1})" if best else ")"))
 
@@ -203,11 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         log=str(output / LOG_FILE), plot=str(output / PLOT_FILE),
         validation=vars(validation) if validation else None, overrides=overrides,
         exported_checkpoint=str(output / CHECKPOINTS / str(chosen)), exported_because=because,
-        best_validation=vars(best) if best else None)
+        best_validation=vars(best) if best else None, skipped_files=skips.skipped)
     report_path = report.save(output)
     print(f"trained epochs {start_epoch + 1}-{settings.epochs} of {settings.epochs} on {len(train_files):,} samples "
           f"({tokens:,} tokens per epoch, {report.tokens_per_second:,.0f} tok/s in the last epoch)"
           if report.epochs_run else f"nothing to train: all {settings.epochs} epochs have checkpoints")
+    if skips.skipped:
+        print(f"skipped {len(skips.skipped):,} of {len(data.files):,} hidden-state files that could not be used "
+              f"(listed in {report_path}; 02_extract_hidden_states.py --verify redoes them)")
     print(f"outputs: {draft_dir} (draft), {output / CHECKPOINTS} ({len(epochs)} checkpoints), "
           f"{output / LOG_FILE}, {output / PLOT_FILE}, {report_path}")
     return 0

@@ -43,6 +43,7 @@ from common.evaluate.measure import (
     BASELINES,
     HeldOut,
     check_draft,
+    check_prepared_of_split,
     fitting_offline_metrics,
     held_out,
     measure_each_k,
@@ -250,6 +251,7 @@ def held_out_prompts(args: argparse.Namespace, info: TargetInfo, split: HeldOut)
     prepared_dir = stage_dir(args, "prepared", args.prepared)
     ds, prepared = load_prepared(prepared_dir)
     check_prepared_target(prepared, prepared_dir, info.path, info.vocab_size)
+    check_prepared_of_split(stage_dir(args, "draft", args.draft), prepared_dir)  # its held-out rows are this data's
     return select_prompts(ds, args.max_prompts, split.rows)
 
 

@@ -5,8 +5,9 @@ reading the journal (ours) against loading every file (the scan before the journ
 
 Writes `--samples` tiny sample files (32 tokens, hidden size 8, in 02's folder layout), their
 prepared rows and a journal as 02 writes it, into a temporary folder; then times `find_done`
-(the whole scan: listing the folder, then deciding which files to keep) with the journal and
-with the journal moved aside, which makes it load and check every file as before. Both runs
+(the whole scan: listing the folder, then deciding which files to keep) with the journal, with
+`--verify` (every file re-read and its digest compared), and with the journal moved aside, which
+makes it load and check every file as before. Both runs
 read a warm page cache (the files were just written): on a cold network disk the loads cost
 more, the journal's one `stat` per file less.
 """
@@ -27,7 +28,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from common.hidden_states.files import Journal, find_done, ids_digest, journal_path, sample_path  # noqa: E402
+from common.hidden_states.files import (  # noqa: E402
+    Journal,
+    file_digest,
+    find_done,
+    ids_digest,
+    journal_path,
+    sample_path,
+)
 
 DEFAULT_SAMPLES = 100_000
 TOKENS, HIDDEN = 32, 8
@@ -46,11 +54,13 @@ def write_folder(root: Path, samples: int):
     content, digest = buffer.getvalue(), ids_digest(ids)
     root.mkdir(parents=True)
     journal = Journal(journal_path(root, 0, 1))
+    data_digest = ""
     for i in tqdm(range(samples), desc="write files", unit="file", mininterval=2):
         path = sample_path(root, i)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content)
-        journal.add(i, len(content), digest)
+        data_digest = data_digest or file_digest(path)  # every file holds the same bytes
+        journal.add(i, len(content), digest, data_digest)
     journal.close()
     offsets = pa.array([TOKENS * i for i in range(samples + 1)], pa.int32())
     column = pa.ListArray.from_arrays(offsets, pa.array(list(range(TOKENS)) * samples, pa.int32()))
@@ -74,10 +84,13 @@ def run(samples: int = DEFAULT_SAMPLES, repeats: int = 3) -> dict:
         indices = set(range(samples))
         ours, (done, _) = _median_seconds(lambda: find_done(root, ds, indices, HIDDEN), repeats)
         assert len(done) == samples, "the journal scan must keep every file"
+        verify, (done, _) = _median_seconds(lambda: find_done(root, ds, indices, HIDDEN, verify=True), repeats)
+        assert len(done) == samples, "--verify must keep every intact file"
         aside = journal_path(root, 0, 1).rename(Path(tmp) / "journal.jsonl")
         reference, (done, _) = _median_seconds(lambda: find_done(root, ds, indices, HIDDEN), repeats)
         assert len(done) == samples and aside.is_file(), "the loading scan must keep every file"
-    return {"samples": samples, "ours_seconds": ours, "reference_seconds": reference, "ratio": reference / ours}
+    return {"samples": samples, "ours_seconds": ours, "reference_seconds": reference, "ratio": reference / ours,
+            "verify_seconds": verify}
 
 
 def main() -> int:
@@ -91,6 +104,7 @@ def main() -> int:
     print(f"{'seconds':<28}{r['ours_seconds']:<18.2f}{r['reference_seconds']:<24.2f}{r['ratio']:<#10.3g}>= {GOAL:g}x")
     print(f"files per second            {r['samples'] / r['ours_seconds']:<18,.0f}"
           f"{r['samples'] / r['reference_seconds']:<24,.0f}")
+    print(f"02 --verify (every file re-read and its digest compared): {r['verify_seconds']:.2f}s")
     met = r["ratio"] >= GOAL
     print(f"goal {'met' if met else 'NOT met'}: {r['ratio']:#.3g}x")
     return 0 if met else 1

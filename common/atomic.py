@@ -7,8 +7,10 @@ resumed run would trust.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -53,6 +55,43 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def format_bytes(n: float) -> str:
+    """A size with the unit that reads best: 512 B, 3.2 MB, 1.5 TB (powers of 1000)."""
+    units, k = ("B", "KB", "MB", "GB", "TB"), 0
+    while abs(n) >= 1000 and k < len(units) - 1:
+        n, k = n / 1000, k + 1
+    return f"{n:,.0f} B" if k == 0 else f"{n:,.1f} {units[k]}"
+
+
+def write_error(error: OSError, path: str | Path) -> str:
+    """What went wrong writing `path`, by cause: a full disk (with the space left on it), a
+    file-size limit (`ulimit -f`, or the file system's largest file: not a full disk), a quota;
+    any other error as the system words it."""
+    path = Path(path)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+        cause = "no space left on its disk" if error.errno == errno.ENOSPC else "disk quota exceeded"
+        return f"cannot write {path}: {cause} ({format_bytes(shutil.disk_usage(probe).free)} free); free space or " \
+               "choose another output folder, then run the same command again"
+    if error.errno == errno.EFBIG:
+        return f"cannot write {path}: file too large for the file-size limit of this process (ulimit -f) or of its " \
+               "file system; raise the limit or choose another output folder"
+    return f"cannot write {path}: {error.strerror or error}"
+
+
+def failed_write(path: str | Path, detail: str) -> str:
+    """`write_error` for a library that words a failed write its own way (torch.save raises
+    "file write failed" for a full disk and a file-size limit alike): the likely cause from the
+    process's file-size limit and the space left."""
+    path = Path(path)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return (f"cannot write {path} ({detail}); this process may write files of at most {format_bytes(limit)} "
+                "(ulimit -f): raise the limit")
+    probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    return f"cannot write {path} ({detail}); {format_bytes(shutil.disk_usage(probe).free)} free on its disk"
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -69,7 +108,35 @@ def read_json(path: str | Path) -> Any:
 
 def torch_save(obj: Any, path: str | Path) -> None:
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        save_whole(obj, tmp)
+
+
+def save_whole(obj: Any, path: Path) -> int:
+    """`torch.save`, then the file's size (returned) checked against the bytes of the tensors in
+    `obj`: a write cut short by a file-size limit can leave a truncated file without an error
+    from torch (seen with torch 2.13 under `ulimit -f`), which must not be renamed into place."""
+    torch.save(obj, path)
+    size, needed = path.stat().st_size, _tensor_bytes(obj)
+    if size < needed:
+        raise RuntimeError(f"torch.save wrote {size:,} bytes, the tensors alone take {needed:,}: "
+                           "the write was cut short")
+    return size
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct storages of the tensors in `obj` (torch.save writes each once)."""
+    storages: dict[int, int] = {}
+    pending = [obj]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            pending += item.values()
+        elif isinstance(item, (list, tuple)):
+            pending += item
+    return sum(storages.values())
 
 
 def write_dir(final: str | Path, fill: Callable[[Path], None]) -> None:

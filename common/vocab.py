@@ -173,6 +173,19 @@ def write_vocab(folder: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, counts
     write_dir(folder, fill)
 
 
+def _load_map(path: Path) -> torch.Tensor:
+    """One map file; one cut short or damaged (a full disk, a torn copy) is a line naming it."""
+    try:
+        value = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file raises
+        raise PipelineError(f"vocabulary {path} cannot be read ({type(e).__name__}); run 03_build_vocab_map.py "
+                            "again") from e
+    if not isinstance(value, torch.Tensor):
+        raise PipelineError(f"vocabulary {path} holds a {type(value).__name__}, not a tensor; run "
+                            "03_build_vocab_map.py again")
+    return value
+
+
 def load_vocab(folder: str | Path, target_vocab_size: int | None = None) -> VocabMaps:
     """Read a vocabulary folder and check the maps agree with each other (and with the target)."""
     folder = Path(folder)
@@ -184,8 +197,7 @@ def load_vocab(folder: str | Path, target_vocab_size: int | None = None) -> Voca
         raise PipelineError(f"{folder / REPORT_FILE}: format version {data.get('format_version')}, "
                             f"expected {FORMAT_VERSION}")
     report = VocabReport(**{k: v for k, v in data.items() if k in VocabReport.__dataclass_fields__})
-    d2t = torch.load(folder / D2T_FILE, weights_only=True)
-    t2d = torch.load(folder / T2D_FILE, weights_only=True)
+    d2t, t2d = _load_map(folder / D2T_FILE), _load_map(folder / T2D_FILE)
     if target_vocab_size is not None and t2d.numel() != target_vocab_size:
         raise PipelineError(f"vocabulary {folder}: t2d covers {t2d.numel()} ids, the target has {target_vocab_size}")
     mapped = d2t + torch.arange(d2t.numel())

@@ -18,7 +18,8 @@ two forms; an optional `id` names it, else it is named `<file>:<line>` (JSONL, f
 A file that cannot be read at all is a `PipelineError` naming it; one bad record is a
 `Rejection` with a reason, so the caller skips and counts it and the run goes on. A malformed
 tool call (no id, no function name, arguments neither an object nor JSON text) is skipped and
-its reason kept on the conversation (`Conversation.skipped_tool_calls`); the rest is used.
+its reason kept on the conversation (`Conversation.skipped_tool_calls`), and the tool result that
+answers it goes with it (counted as `result_of_skipped_call`); the rest is used.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ SHAREGPT_RESULT_TURNS = {"observation", "function_response", "tool"}
 # Content parts that are media: dropped from the text, counted.
 MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "video_url"}
 
+BOM = "\ufeff"  # a UTF-8 byte-order mark, as some editors write at a file's start
 # Drop reasons of this stage (the report's keys).
 MALFORMED_RECORD = "malformed_record"
+UNDECODABLE = "undecodable_text"  # bytes that are not UTF-8, or a lone surrogate
 MALFORMED_TOOLS = "malformed_tools"
 UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
@@ -63,6 +66,7 @@ NON_STRING_CONTENT = "non_string_content"
 TOOL_CALL_NO_ID = "no_id"
 TOOL_CALL_BAD_ARGUMENTS = "arguments_not_json"
 TOOL_CALL_MALFORMED = "no_function_name"
+TOOL_RESULT_OF_SKIPPED_CALL = "result_of_skipped_call"  # a tool result dropped with its malformed call
 
 
 @dataclass(frozen=True)
@@ -123,26 +127,77 @@ Record = tuple[str, Any]
 
 
 def read_jsonl(path: Path) -> Iterator[Record]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    """One record per non-blank line. A line that is not UTF-8 or not JSON, or whose strings hold
+    a lone surrogate (`"\\ud83d"` without its pair: valid JSON, but no UTF-8 text can hold
+    it), is a Rejection naming the line; a byte-order mark before the first record is dropped."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            sample_id = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield sample_id, Rejection(UNDECODABLE, f"not UTF-8 text (byte {e.object[e.start]:#04x} at column "
+                                                        f"{e.start + 1})")
+                continue
+            if number == 1:
+                line = line.removeprefix(BOM)
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{number}", json.loads(line)
+                yield sample_id, _without_lone_surrogates(json.loads(line), _may_hold_surrogates(line))
             except json.JSONDecodeError as e:
-                yield f"{path}:{number}", Rejection(MALFORMED_RECORD, f"not valid JSON ({e.msg})")
+                yield sample_id, Rejection(MALFORMED_RECORD, f"not valid JSON ({e.msg})")
+
+
+def _may_hold_surrogates(text: str) -> bool:
+    """Only JSON text with a `\\u` escape of a surrogate (`\\ud800`..`\\udfff`) can produce one."""
+    return "\\ud" in text or "\\uD" in text
+
+
+def _without_lone_surrogates(record: Any, may_hold: bool) -> Any:
+    """`record`, or a Rejection if one of its strings holds a lone UTF-16 surrogate (walked only
+    when the text `may_hold` one)."""
+    if not may_hold:
+        return record
+    bad = next((c for text in _strings(record) if not _encodable(text) for c in text if 0xD800 <= ord(c) <= 0xDFFF),
+               None)
+    return record if bad is None else Rejection(UNDECODABLE, f"a string holds a lone surrogate \\u{ord(bad):04x} "
+                                                             "(a \\u escape without its pair)")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_json_records(path: Path) -> Iterator[Record]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the JSON
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PipelineError(f"{path}: not a valid JSON file ({e})") from e
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
         raise PipelineError(f"{path}: unknown JSON layout (expected a list of conversations or {{\"data\": [...]}})")
-    yield from _rows(path, data)
+    may_hold = _may_hold_surrogates(text)
+    for sample_id, record in _rows(path, data):
+        yield sample_id, _without_lone_surrogates(record, may_hold)
 
 
 def read_parquet(path: Path) -> Iterator[Record]:
@@ -181,8 +236,12 @@ FORMATS: dict[str, Callable[[Path], Iterator[Record]]] = {
 }
 SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 HF_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-# A stage's report (00's regenerate_report.json in the folder it writes) is not conversations.
+# A stage's report (00's regenerate_report.json in the folder it writes) is not conversations,
+# nor are the configuration files a model or dataset folder often holds beside them.
 REPORT_SUFFIX = "_report.json"
+NOT_CONVERSATIONS = frozenset({"config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+                               "special_tokens_map.json", "preprocessor_config.json", "adapter_config.json",
+                               "model.safetensors.index.json"})
 
 
 def _is_hf_dataset(folder: Path) -> bool:
@@ -191,8 +250,8 @@ def _is_hf_dataset(folder: Path) -> bool:
 
 def resolve_inputs(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
     """Each input as (file or dataset folder, format name); a plain folder is expanded into the
-    data files and saved datasets under it (sorted; other and hidden files and stage reports
-    `*_report.json` are ignored).
+    data files and saved datasets under it (sorted; other and hidden files, stage reports
+    `*_report.json` and configuration files such as `config.json` are ignored).
     Errors name the path."""
     sources = []
     for path in map(Path, paths):
@@ -215,7 +274,7 @@ def _expand(path: Path) -> list[tuple[Path, str]]:
     if _is_hf_dataset(path):
         return [(path, "hf_dataset")]
     return [s for child in sorted(path.iterdir()) if not child.name.startswith(".")
-            and not child.name.endswith(REPORT_SUFFIX) for s in _expand(child)]
+            and not child.name.endswith(REPORT_SUFFIX) and child.name not in NOT_CONVERSATIONS for s in _expand(child)]
 
 
 def iter_records(sources: Iterable[tuple[Path, str]]) -> Iterator[Record]:
@@ -282,10 +341,13 @@ class _Builder:
         self.messages: list[Message] = []
         self.media = 0
         self.skipped: list[str] = []
-        self.pending_ids: list[str] = []  # ShareGPT: calls whose observation has not come yet
+        self.pending_ids: list[str | None] = []  # ShareGPT: calls whose observation has not come yet (None: skipped)
+        self.skipped_ids: set[str] = set()  # OpenAI: ids of calls skipped as malformed
         self.calls = 0
 
     def calls_from(self, raw: Any, default_ids: bool) -> tuple[ToolCall, ...]:
+        """The well-formed calls of `raw`; ShareGPT's call ids (None for a skipped call) are queued
+        for the observations that follow, in order."""
         calls = []
         for call in raw if isinstance(raw, list) else [raw]:
             function = call.get("function", call) if isinstance(call, dict) else None
@@ -294,10 +356,19 @@ class _Builder:
             parsed = _tool_call(call, default_id)
             if isinstance(parsed, str):
                 self.skipped.append(parsed)
+                if isinstance(call, dict) and isinstance(call.get("id"), str):
+                    self.skipped_ids.add(call["id"])
             else:
                 calls.append(parsed)
                 self.calls += 1
+            if default_ids:
+                self.pending_ids.append(None if isinstance(parsed, str) else parsed.id)
         return tuple(calls)
+
+    def drop_result(self) -> None:
+        """A tool result whose call was skipped goes with it (counted with the skipped calls): it
+        would answer a call the rendered conversation does not hold."""
+        self.skipped.append(TOOL_RESULT_OF_SKIPPED_CALL)
 
     def add(self, role: Any, content: Any, reasoning: Any = None, *, name: Any = None, tool_call_id: Any = None,
             tool_calls: tuple[ToolCall, ...] = (), had_calls: bool = False) -> Rejection | None:
@@ -326,6 +397,9 @@ class _Builder:
 
 
 def _openai_turn(builder: _Builder, m: dict) -> Rejection | None:
+    if m.get("role") == "tool" and m.get("tool_call_id") in builder.skipped_ids:
+        builder.drop_result()
+        return None
     calls = builder.calls_from(m["tool_calls"], default_ids=False) if m.get("tool_calls") else ()
     reasoning = m.get("reasoning_content", m.get("reasoning"))
     return builder.add(m.get("role"), m.get("content"), reasoning, name=m.get("name"),
@@ -346,13 +420,17 @@ def _sharegpt_turn(builder: _Builder, m: dict) -> Rejection | None:
         calls = builder.calls_from(raw, default_ids=True) if isinstance(raw, (dict, list)) else ()
         if raw is None or not isinstance(raw, (dict, list)):
             builder.skipped.append(TOOL_CALL_BAD_ARGUMENTS)
-        builder.pending_ids += [c.id for c in calls]
+            builder.pending_ids.append(None)
         last = builder.messages[-1] if builder.messages else None
         if last is not None and last.role == "assistant" and not last.tool_calls:
             builder.messages[-1] = replace(last, tool_calls=calls)
             return None
         return builder.add("assistant", "", tool_calls=calls, had_calls=True)
     if role in SHAREGPT_RESULT_TURNS:
+        if builder.pending_ids and builder.pending_ids[0] is None:  # the result of a skipped call
+            builder.pending_ids.pop(0)
+            builder.drop_result()
+            return None
         call_id = builder.pending_ids.pop(0) if builder.pending_ids else None
         return builder.add("tool", value, tool_call_id=call_id)
     return builder.add(role, value)

@@ -14,6 +14,8 @@ import json
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from datasets import Dataset, Features, List, Value
 from datasets.exceptions import DatasetGenerationError
 from tqdm import tqdm
 
-from common.atomic import TMP_PREFIX, write_dir
+from common.atomic import TMP_PREFIX, write_dir, write_error
 from common.data.conversations import (
     Conversation,
     Message,
@@ -36,7 +38,7 @@ from common.data.conversations import (
 from common.data.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
 from common.data.prepared_dataset import COLUMNS, PrepareReport
 from common.errors import PipelineError
-from common.target.config import load_target_info
+from common.target.config import load_target_info, target_digest
 from common.target.tokenizer import load_tokenizer
 
 __all__ = ["PrepareOptions", "DropLog", "prepare", "summary_lines", "warning_lines"]
@@ -99,18 +101,20 @@ def prepare(options: PrepareOptions) -> PrepareReport:
     report = PrepareReport(target=info.path, tokenizer=type(tokenizer).__name__, vocab_size=info.vocab_size,
                            chat_template_sha256=template_sha256(tokenizer), max_len=options.max_len,
                            inputs=[str(p) for p in options.inputs], max_samples=options.max_samples,
-                           seed=options.seed, rendering=masker.describe())
+                           seed=options.seed, rendering=masker.describe(), target_digest=target_digest(info.path))
     drops = DropLog()
     options.output.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{options.output.name}.scratch.", dir=options.output.parent))
     try:
         conversations = _read(sources, scratch, report, drops)
         conversations = _subset(conversations, options, report)
-        encoded = _encode(conversations, masker, options, scratch)
+        with _naming_write_errors(scratch):
+            encoded = _encode(conversations, masker, options, scratch)
         kept = _account(encoded, report, drops)
         if report.samples_kept == 0:
             raise PipelineError(_nothing_usable(report, drops))
-        write_dir(options.output, lambda tmp: _save(kept, report, tmp, options.num_proc))
+        with _naming_write_errors(options.output):
+            write_dir(options.output, lambda tmp: _save(kept, report, tmp, options.num_proc))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return report
@@ -158,6 +162,8 @@ def _read(sources, scratch: Path, report: PrepareReport, drops: DropLog) -> Data
     except DatasetGenerationError as e:
         if isinstance(e.__cause__, PipelineError):
             raise e.__cause__ from None
+        if isinstance(e.__cause__, OSError):  # writing the Arrow files of what was read (a full disk)
+            raise PipelineError(write_error(e.__cause__, scratch)) from e
         raise
     except ValueError as e:
         if sum(drops.counts.values()) == report.samples_read:  # datasets refuses an empty split
@@ -166,6 +172,16 @@ def _read(sources, scratch: Path, report: PrepareReport, drops: DropLog) -> Data
     finally:
         if bars:
             datasets.enable_progress_bars()
+
+
+@contextmanager
+def _naming_write_errors(folder: Path) -> Iterator[None]:
+    """A failed write in `folder` (datasets and Arrow raise OSError without a path: "[Errno 28]
+    No space left on device") as one line naming the folder and the cause."""
+    try:
+        yield
+    except OSError as e:
+        raise PipelineError(write_error(e, folder)) from e
 
 
 def _subset(conversations: Dataset, options: PrepareOptions, report: PrepareReport) -> Dataset:

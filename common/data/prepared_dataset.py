@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 from datasets import load_from_disk
 
 from common.atomic import read_json, write_json
 from common.errors import PipelineError
+from common.target.config import target_digest
 
 FORMAT_VERSION = 1
 REPORT_FILE = "prepare_report.json"
@@ -54,6 +56,7 @@ class PrepareReport:
     tool_calls_skipped: dict[str, int] = field(default_factory=dict)  # malformed calls skipped, by reason
     tool_call_examples: dict[str, str] = field(default_factory=dict)  # reason -> first sample
     media_parts_dropped: int = 0  # image/audio/video content parts left out of the text (all read)
+    target_digest: str = ""  # common/target/config.py: the target by what it is; "" in earlier versions
     format_version: int = FORMAT_VERSION
 
     def save(self, folder: str | Path) -> None:
@@ -78,9 +81,25 @@ def check_prepared_target(report: PrepareReport, folder: str | Path, target: str
         raise PipelineError(f"prepared dataset {folder} was made for a vocabulary of {report.vocab_size} "
                             f"(target {report.target}), but target {target} has {target_vocab}; "
                             "re-run 01_prepare_data.py with this target")
-    if Path(report.target).resolve() != Path(target).resolve():
+    if report.target_digest:  # the same checkpoint moved or copied elsewhere is the same target
+        if report.target_digest != target_digest(target):
+            raise PipelineError(f"prepared dataset {folder} was made with target {report.target}, not with the "
+                                f"given target {target} (their config.json or weight index differ); re-run "
+                                "01_prepare_data.py with this target")
+    elif Path(report.target).resolve() != Path(target).resolve():
         raise PipelineError(f"prepared dataset {folder} was made with target {report.target}, "
                             f"not with the given target {target}; re-run 01_prepare_data.py with this target")
+
+
+def _unreadable_shard(folder: Path) -> str | None:
+    """The first Arrow data file of `folder` that pyarrow cannot read through, by name (None: all read)."""
+    for path in sorted(folder.glob("*.arrow")):
+        try:
+            with pa.memory_map(str(path)) as source:
+                pa.ipc.open_stream(source).read_all()
+        except (OSError, pa.ArrowException):
+            return path.name
+    return None
 
 
 def load_prepared(folder: str | Path):
@@ -91,10 +110,14 @@ def load_prepared(folder: str | Path):
     report = PrepareReport.load(folder)
     try:
         ds = load_from_disk(str(folder))
-    except (FileNotFoundError, ValueError) as e:
-        raise PipelineError(f"prepared dataset {folder}: not a saved Hugging Face dataset: {e}") from e
     except IndexError as e:  # datasets cannot load a dataset saved with no rows (no data shards)
         raise PipelineError(f"prepared dataset {folder}: it holds no samples (no data shards)") from e
+    except (OSError, ValueError) as e:  # pyarrow's errors for a data file cut short name no file
+        shard = _unreadable_shard(folder)
+        if shard is not None:
+            raise PipelineError(f"prepared dataset {folder}: {shard} cannot be read ({e}); run 01_prepare_data.py "
+                                "again") from e
+        raise PipelineError(f"prepared dataset {folder}: not a saved Hugging Face dataset: {e}") from e
     missing = [c for c in COLUMNS if c not in ds.column_names]
     if missing:
         raise PipelineError(f"prepared dataset {folder}: columns {missing} missing")

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from common.atomic import read_json
+from common.data.fingerprints import prepared_fingerprint
 from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
 from common.errors import PipelineError
 from common.evaluate.decoding import (
@@ -50,7 +51,8 @@ from common.train.settings import TrainSettings
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
 __all__ = [
-    "check_draft", "HeldOut", "held_out", "check_data", "offline_metrics", "fitting_offline_metrics",
+    "check_draft", "HeldOut", "held_out", "check_prepared_of_split", "check_data", "offline_metrics",
+    "fitting_offline_metrics",
     "training_seq_len", "MeasuredResult", "degenerate_share", "mean_distinct_ratio", "measure_plain",
     "measure_plain_turns", "measure_proposer", "measure_draft", "measure_ngram", "untrained_draft", "no_speculation",
     "BASELINES", "measure_each_k",
@@ -124,8 +126,31 @@ def _validation_rows(split_path: Path, data: HiddenStateData | None) -> list[int
         return None
     record = read_json(split_path)
     rows = record.get("validation_rows") or []
-    same_data = data is None or Path(record.get("hidden_states", "")).resolve() == data.folder.resolve()
+    same_data = data is None or _same_hidden_states(record, split_path.parent, data)
     return sorted(int(r) for r in rows) if rows and same_data else None
+
+
+def _same_hidden_states(record: dict, draft_dir: Path, data: HiddenStateData) -> bool:
+    """Whether `data` holds the rows the split speaks of: the same prepared dataset by its
+    fingerprint, wherever the run folder was moved or copied; by the folder's path (relative
+    to the draft folder, or absolute in drafts of earlier versions) when either has none."""
+    theirs, ours = record.get("prepared_fingerprint"), data.config.prepared_fingerprint
+    if theirs and ours:
+        return theirs == ours
+    return (draft_dir / record.get("hidden_states", "")).resolve() == data.folder.resolve()
+
+
+def check_prepared_of_split(draft_dir: str | Path, prepared_dir: str | Path) -> None:
+    """Refuse a prepared dataset that is not the one the draft was trained on (01 run again, or
+    another run's folder): 04's held-out rows would name other conversations, or rows past its
+    end. A draft without a split, or a split of an earlier version, is not checked."""
+    split_path = Path(draft_dir) / SPLIT_FILE
+    theirs = read_json(split_path).get("prepared_fingerprint") if split_path.is_file() else None
+    ours = prepared_fingerprint(prepared_dir)
+    if theirs and theirs != ours:
+        raise PipelineError(f"prepared dataset {prepared_dir} is not the one draft {draft_dir} was trained on "
+                            f"(prepared fingerprint {ours}, {split_path} records {theirs}): its held-out rows would "
+                            "be other conversations; pass --prepared of that run, or train the draft again")
 
 
 def check_data(data: HiddenStateData, info: TargetInfo, layer_ids: list[int], draft_dir: Path) -> None:
@@ -147,7 +172,9 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
     settings = TrainSettings(ttt_steps=k, noise_std=0.0, total_seq_len=total_seq_len, num_workers=0)
     loader = make_loader(data, files, settings, world_size=1, rank=0, train=False, pin_memory=False)
     summary = ValSummary.from_metrics(validation_metrics(draft, loader, device, settings), epoch=0)
-    return {"val_loss": summary.loss, "loss_per_step": summary.loss_per_step, "full_acc": summary.full_acc,
+    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/train/sample_files.py)
+    return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step,
+            "full_acc": summary.full_acc,
             "cond_acc": summary.cond_acc, "simulated_acceptance_length": summary.acceptance_length,
             "samples": len(files), "tokens": epoch_tokens(data, files, total_seq_len)}
 
@@ -167,7 +194,11 @@ def fitting_offline_metrics(name: str, draft: torch.nn.Module, folder: Path, inf
             raise
         print(f"offline metrics of {name} skipped: {e}")
         return None
-    return offline_metrics(draft, data, files, k, total_seq_len, device)
+    metrics = offline_metrics(draft, data, files, k, total_seq_len, device)
+    if metrics["skipped_files"]:
+        print(f"offline metrics of {name}: skipped {len(metrics['skipped_files'])} of {len(files)} hidden-state files "
+              "that could not be used")
+    return metrics
 
 
 def training_seq_len(draft_dir: str | Path) -> int:

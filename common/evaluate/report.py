@@ -90,6 +90,7 @@ class DraftReport:
         out: dict = {"name": self.name, "path": self.path}
         offline = self.offline_at(k) if k is not None else self.offline
         out["simulated_acceptance_length"] = (offline or {}).get("simulated_acceptance_length")
+        out["offline_skipped_files"] = (offline or {}).get("skipped_files", {})  # damaged hidden-state files left out
         m = self.by_k.get(k)
         if m is not None:
             out.update({

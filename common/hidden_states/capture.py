@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from common.errors import PipelineError
-from common.hidden_states.files import NUM_STATES, Journal, ids_digest, save_sample
+from common.hidden_states.files import NUM_STATES, Journal, file_digest, ids_digest, sample_path, save_sample
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
 from common.target.model import decoder_parts
 
@@ -173,8 +173,14 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _is_out_of_memory(error: RuntimeError) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+# How an allocator says it is out of memory: CUDA's, and the CPU's ("DefaultCPUAllocator: can't
+# allocate memory: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)").
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def _is_out_of_memory(error: RuntimeError | MemoryError) -> bool:
+    text = str(error).lower()
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or any(w in text for w in OUT_OF_MEMORY_WORDS)
 
 
 def _first_line(error: BaseException) -> str:
@@ -245,7 +251,7 @@ class ExtractionRun:
             return []
         try:
             states = self.extractor([s.input_ids for s in samples])
-        except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
+        except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
             if not _is_out_of_memory(error):
                 ids = ", ".join(s.sample_id for s in samples[:3]) + (", ..." if len(samples) > 3 else "")
                 raise PipelineError(f"extraction failed on samples {ids}: {_first_line(error)} "
@@ -272,19 +278,21 @@ class ExtractionRun:
 
     def _collect(self, future: Future) -> None:
         """Account for one finished write (in the main thread; a write error stops the run)."""
-        index, tokens, file_bytes, state_bytes = future.result()
+        index, tokens, file_bytes, state_bytes, digest = future.result()
         self.stats.written[index] = tokens
         if self.journal is not None:
-            self.journal.add(index, file_bytes, self.digests.pop(index))
+            self.journal.add(index, file_bytes, self.digests.pop(index), digest)
         self.stats.file_bytes += file_bytes
         self.stats.state_bytes += state_bytes
 
 
-def _write(out: Path, sample: Sample, stored: StoredStates) -> tuple[int, int, int, int]:
-    """Runs in a writer thread: (index, tokens, file bytes, hidden-state bytes incl. scales)."""
+def _write(out: Path, sample: Sample, stored: StoredStates) -> tuple[int, int, int, int, str]:
+    """Runs in a writer thread: (index, tokens, file bytes, hidden-state bytes incl. scales, the
+    file's digest for the journal: `02 --verify` checks it; re-read from the page cache, a small
+    cost beside the forward pass)."""
     size = save_sample(out, sample.index, torch.tensor(sample.input_ids, dtype=torch.long), stored.states,
                        torch.tensor(sample.loss_mask, dtype=torch.long), stored.scales)
-    return sample.index, len(sample.input_ids), size, stored.nbytes
+    return sample.index, len(sample.input_ids), size, stored.nbytes, file_digest(sample_path(out, sample.index))
 
 
 def estimate_bytes(tokens: int, samples: int, hidden_size: int,

@@ -26,10 +26,13 @@ disk, so the two files are consistent with the folder whenever they are written.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import shutil
+import socket
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
@@ -39,7 +42,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.atomic import TMP_PREFIX, atomic_path, read_json, write_json
+from common.atomic import (
+    TMP_PREFIX,
+    atomic_path,
+    failed_write,
+    format_bytes,
+    read_json,
+    save_whole,
+    write_error,
+    write_json,
+)
 from common.data.fingerprints import prepared_fingerprint
 from common.data.prepared_dataset import PrepareReport
 from common.errors import PipelineError
@@ -59,6 +71,7 @@ MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")
 IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_layers", "vocab_size",
                    "layer_ids", "last_state", "storage", "dtype", "format_version")
 DIGEST_CHARS = 16  # hex characters of a journal's ids digest
+FILE_DIGEST_CHARS = 32  # hex characters of a journal's file digest
 PACKAGES = ("torch", "transformers", "speculators", "datasets")
 
 
@@ -153,12 +166,11 @@ def save_sample(root: str | Path, index: int, input_ids: torch.Tensor, states: l
         data[SCALES_KEY] = scales
     try:
         with atomic_path(path) as tmp:
-            torch.save(data, tmp)
-            return tmp.stat().st_size
-    except (OSError, RuntimeError) as e:
-        free = shutil.disk_usage(root).free
-        raise PipelineError(f"cannot write {path} ({type(e).__name__}: {str(e).strip().splitlines()[0]}); "
-                            f"{free / 1e6:,.1f} MB free on its disk") from e
+            return save_whole(data, tmp)
+    except OSError as e:
+        raise PipelineError(write_error(e, path)) from e
+    except RuntimeError as e:  # torch's wording of a failed write (a full disk among others)
+        raise PipelineError(failed_write(path, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")) from e
 
 
 def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int,
@@ -180,22 +192,54 @@ def is_valid_sample(path: Path, input_ids: list[int], hidden_size: int,
 
 
 def find_done(root: Path, ds, indices: set[int], hidden_size: int, chunk: int = 1000,
-              storage: StateStorage = STORAGES[DEFAULT_STORAGE]) -> tuple[set[int], int]:
+              storage: StateStorage = STORAGES[DEFAULT_STORAGE], verify: bool = False) -> tuple[set[int], int]:
     """(indices whose file is complete and matches its prepared row, count of files deleted
     because they were not): a resumed run keeps the first and redoes the rest.
 
     A file the journals list with its current size and the digest of its prepared row's ids is
     kept without being opened (one `stat` instead of a `torch.load`: the difference between
-    seconds and many minutes for 500K files); any other file is loaded and checked."""
+    seconds and many minutes for 500K files); any other file is loaded and checked. With
+    `verify` (02 --verify), a listed file is also re-read whole and kept only if its bytes still
+    have the digest recorded when it was written (a file damaged in place keeps its size)."""
     existing = _sample_file_names(root)
     candidates = sorted(i for i in indices if i in existing)
     journal = read_journals(root)
     listed = [i for i in candidates if i in journal]
     digests = row_digests(ds, listed, chunk)
     done = {i for i in listed if (os.stat(existing[i]).st_size, digests[i]) in journal[i]}
-    unsure = {i: Path(existing[i]) for i in candidates if i not in done}
+    damaged: set[int] = set()
+    if verify:
+        done, damaged = _verified(existing, recorded_file_digests(root), digests, done)
+        for i in damaged:
+            os.unlink(existing[i])
+    unsure = {i: Path(existing[i]) for i in candidates if i not in done and i not in damaged}
     checked, redo = _load_and_check(unsure, ds, sorted(unsure), hidden_size, chunk, storage)
-    return done | checked, redo
+    return done | checked, redo + len(damaged)
+
+
+def _verified(existing: dict[int, str], recorded: dict[tuple[int, int, str], str], digests: dict[int, str],
+              listed: set[int]) -> tuple[set[int], set[int]]:
+    """(files among `listed` whose bytes still have the digest recorded when they were written,
+    those whose bytes do not). A file without a recorded digest (a journal of an earlier
+    version) is in neither: the caller loads and checks it like a file no journal lists."""
+    good, damaged = set(), set()
+    for i in tqdm(sorted(listed), desc="verify", unit="file", disable=len(listed) < 1000):
+        digest = recorded.get((i, os.stat(existing[i]).st_size, digests[i]))
+        if digest and file_digest(existing[i]) == digest:
+            good.add(i)
+        elif digest:
+            tqdm.write(f"--verify: {existing[i]} no longer has the digest recorded when it was written; redoing it")
+            damaged.add(i)
+    return good, damaged
+
+
+def file_digest(path: str | Path) -> str:
+    """A digest of a file's bytes, read in 8 MB pieces (the journal records it when 02 writes the file)."""
+    digest = hashlib.blake2b(digest_size=FILE_DIGEST_CHARS // 2)
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def _load_and_check(existing: dict[int, Path], ds, candidates: list[int], hidden_size: int,
@@ -264,19 +308,20 @@ def ids_digest(input_ids) -> str:
 
 class Journal:
     """One line per sample file this shard has finished, appended once the file is in place:
-    `INDEX FILE_BYTES IDS_DIGEST` (plain text: it parses several times faster than JSON lines at
-    500K lines). A kill can cut the last line short or lose the lines of the last files; either
-    only means those files get checked the slow way on resume."""
+    `INDEX FILE_BYTES IDS_DIGEST FILE_DIGEST` (plain text: it parses several times faster than
+    JSON lines at 500K lines; journals of earlier versions lack FILE_DIGEST). A kill can cut the
+    last line short or lose the lines of the last files; either only means those files get
+    checked the slow way on resume."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.file: TextIO | None = path.open("a", encoding="utf-8")
 
-    def add(self, index: int, file_bytes: int, digest: str) -> None:
+    def add(self, index: int, file_bytes: int, digest: str, file_digest: str = "") -> None:
         if self.file is None:
             return
         try:
-            self.file.write(f"{index} {file_bytes} {digest}\n")
+            self.file.write(f"{index} {file_bytes} {digest} {file_digest}".rstrip() + "\n")
             self.file.flush()
         except OSError:
             # A full disk. The journal only saves time on a restart, so it stops here and the run
@@ -299,13 +344,29 @@ class Journal:
 def read_journals(root: Path) -> dict[int, set[tuple[int, str]]]:
     """Index -> every (file size, ids digest) any journal in `root` lists for it."""
     records: dict[int, set[tuple[int, str]]] = {}
-    for path in root.glob("extract_journal_*.txt"):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            fields = line.split(" ")
-            if len(fields) != 3 or len(fields[2]) != DIGEST_CHARS or not (fields[0] + fields[1]).isdigit():
-                continue  # a line cut short by a kill
-            records.setdefault(int(fields[0]), set()).add((int(fields[1]), fields[2]))
+    for index, size, ids, _data in _journal_lines(root):
+        records.setdefault(index, set()).add((size, ids))
     return records
+
+
+def recorded_file_digests(root: Path) -> dict[tuple[int, int, str], str]:
+    """(index, file size, ids digest) -> the file digest recorded when it was written, for the
+    journal lines that carry one (02 --verify)."""
+    return {(index, size, ids): data for index, size, ids, data in _journal_lines(root) if data}
+
+
+def _journal_lines(root: Path) -> Iterator[tuple[int, int, str, str]]:
+    """(index, file size, ids digest, file digest or "") of each well-formed line of the journals
+    in `root`. Lines cut short or garbled (a kill, a damaged disk; bytes that are not UTF-8
+    included) are left out: those files are checked the slow way."""
+    for path in root.glob("extract_journal_*.txt"):
+        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+            fields = line.split(" ")  # split and length checks: faster than a regex at 500K lines
+            data = fields[3] if len(fields) == 4 else ""
+            numbers = fields[0] + fields[1] if len(fields) in (3, 4) else ""
+            if (numbers.isdigit() and numbers.isascii() and len(fields[2]) == DIGEST_CHARS
+                    and len(data) in (0, FILE_DIGEST_CHARS)):
+                yield int(fields[0]), int(fields[1]), fields[2], data
 
 
 def row_digests(ds, indices: list[int], chunk: int = 10_000) -> dict[int, str]:
@@ -404,11 +465,42 @@ def remove_stale_rows(root: Path, config: DataConfig, num_rows: int) -> int:
     return len(stale)
 
 
+@contextlib.contextmanager
+def shard_lock(root: Path, shard_index: int, num_shards: int) -> Iterator[None]:
+    """Hold this shard's lock on `root` for the block: a second 02 writing the same shard into
+    the same folder (a command started twice, a job scheduled twice) would redo the same work and
+    race on every file, so it is refused, naming the process that holds the lock. The kernel drops
+    a lock when its process dies (SIGKILL included); the file is removed on a normal exit."""
+    path = root / f".extract_lock_{shard_index}_of_{num_shards}"
+    while True:
+        file = path.open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process"
+            file.close()
+            raise PipelineError(f"output folder {root}: {holder} is writing shard {shard_index} of {num_shards} into "
+                                "it; wait for it to finish (or stop it), then run the same command again") from None
+        if path.exists() and os.stat(path).st_ino == os.fstat(file.fileno()).st_ino:
+            break
+        file.close()  # the holder removed the file between our open and lock: lock the new one
+    file.seek(0)
+    file.truncate()
+    file.write(f"02_extract_hidden_states.py (pid {os.getpid()} on {socket.gethostname()})")
+    file.flush()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        file.close()
+
+
 def check_disk(root: Path, needed_bytes: int) -> None:
     """Refuse to start when the output disk cannot hold the estimated files."""
     probe = root if root.exists() else next(p for p in root.parents if p.exists())
     free = shutil.disk_usage(probe).free
     if needed_bytes > free:
-        raise PipelineError(f"output disk of {root} has {free / 1e9:,.1f} GB free, the samples still to extract "
-                            f"need about {needed_bytes / 1e9:,.1f} GB; free space, choose another --output, "
+        raise PipelineError(f"output disk of {root} has {format_bytes(free)} free, the samples still to extract "
+                            f"need about {format_bytes(needed_bytes)}; free space, choose another --output, "
                             "or pass --skip-disk-check")

@@ -9,14 +9,16 @@ pipeline that reads the target goes through this package, so both shapes work ev
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from common.atomic import read_json
 from common.errors import PipelineError
 
 NESTED_PREFIX = "language_model."
@@ -157,14 +159,38 @@ def _quantization_dict(config: PretrainedConfig) -> dict | None:
     return raw.to_dict() if hasattr(raw, "to_dict") else raw
 
 
+def target_digest(path: str | Path) -> str:
+    """What a target is, not where it lies (16 hex characters): a digest of its `config.json` and
+    its weight index (for a single weights file, its safetensors header: names, dtypes, shapes,
+    offsets). A folder moved to another disk or copied keeps it; another checkpoint of other
+    shapes or settings has another. (Two checkpoints alike in every shape, e.g. fine-tunes of one
+    base, share it: telling them apart would mean reading the weights.)"""
+    path, digest = Path(path), hashlib.sha256()
+    for name in ("config.json", INDEX_FILE):
+        if (path / name).is_file():
+            digest.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
+    if not (path / INDEX_FILE).is_file() and (path / SINGLE_FILE).is_file():
+        with (path / SINGLE_FILE).open("rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header_size, 100 << 20)))
+    return digest.hexdigest()[:16]
+
+
 def weight_map(path: str | Path) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or the single safetensors file."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
-        return json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        index = read_json(path / INDEX_FILE)  # one cut short is a one-line error naming it
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise TargetError(f"target {path}: {INDEX_FILE} has no 'weight_map' object (copy the file again)")
+        return index["weight_map"]
     if (path / SINGLE_FILE).is_file():
-        with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
+        try:
+            with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE_FILE)
+        except SafetensorError as e:
+            raise TargetError(f"target {path}: {SINGLE_FILE} is not a readable safetensors file ({e}); "
+                              "copy it again") from e
     raise TargetError(f"target {path}: no weights ({INDEX_FILE} or {SINGLE_FILE} not found)")
 
 

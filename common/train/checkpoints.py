@@ -8,6 +8,7 @@ to bf16 changes the training (AdamW's step count, a float tensor, even stops bei
     model.safetensors, optimizer_state_dict.pt   the library's files, written in fp32
     scheduler_state_dict.pt                      the library's file
     trainer_state.json                           where the run stood (epoch, batches done, step)
+                                                 and the training settings (`check_same_settings`)
     rng_state_<rank>.pt                          each rank's torch / CUDA / Python / NumPy RNG
 
 Epoch checkpoints stay where the library puts them (`checkpoints/<epoch>/`); step checkpoints
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from common.atomic import read_json, write_json
 from common.errors import PipelineError
@@ -34,6 +36,8 @@ STEPS = "steps"  # sub-folder of the checkpoints folder holding the step checkpo
 STATE_FILE = "trainer_state.json"
 STATE_FORMAT = 1
 KEEP_STEP_CHECKPOINTS = 2
+# Training settings a resumed run may change: each takes effect from the resumed step.
+CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every")
 
 
 def rng_file(rank: int) -> str:
@@ -90,11 +94,32 @@ def check_resumable(point: ResumePoint, batches_per_epoch: int, world_size: int)
                         "checkpoint (move checkpoints/steps aside)")
 
 
-def write_state(folder: Path, position: Position, rank: int) -> None:
-    """This rank's RNG state, and (rank 0) the position, into a checkpoint folder being written."""
+def check_readable(folder: Path) -> None:
+    """Every file of a checkpoint opens (a file cut short or damaged on disk would stop the
+    resumed run with a traceback of the library's loader): safetensors headers and sizes, the
+    zip directory of each torch file, the JSON state. One line names the file otherwise."""
+    for path in sorted(folder.iterdir()):
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), "pt") as f:
+                    f.keys()
+            elif path.suffix == ".pt":
+                torch.load(path, mmap=True, weights_only=False, map_location="cpu")  # RNG states are not tensors
+            elif path.suffix == ".json":
+                read_json(path)
+        except Exception as e:  # noqa: BLE001 - whatever a damaged file raises
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise PipelineError(f"checkpoint {folder}: {path.name} cannot be read ({type(e).__name__}: {detail}); "
+                                "move that folder aside to resume from the checkpoint before it, or drop --resume "
+                                "to start over") from e
+
+
+def write_state(folder: Path, position: Position, rank: int, settings: dict | None = None) -> None:
+    """This rank's RNG state, and (rank 0) the position and the training settings, into a
+    checkpoint folder being written."""
     torch.save(capture_rng(), folder / rng_file(rank))
     if rank == 0:
-        write_json(folder / STATE_FILE, {"format": STATE_FORMAT, **asdict(position)})
+        write_json(folder / STATE_FILE, {"format": STATE_FORMAT, **asdict(position), "settings": settings})
 
 
 def read_position(folder: Path) -> Position | None:
@@ -103,7 +128,24 @@ def read_position(folder: Path) -> Position | None:
         return None
     data = read_json(path)
     data.pop("format", None)
+    data.pop("settings", None)
     return Position(**data)
+
+
+def check_same_settings(point: ResumePoint, settings: dict) -> None:
+    """A resumed run continues the checkpoint's training: a value that would change it from the
+    resumed step on in a way no uninterrupted run does (learning rate, schedule, noise, packing,
+    split, seed, TTT) is refused, naming the flag and the checkpoint's value. More epochs, other
+    workers or another checkpoint interval take effect from the resumed step. Checkpoints of
+    earlier versions recorded no settings: nothing to compare."""
+    path = point.folder / STATE_FILE
+    saved = read_json(path).get("settings") if path.is_file() else None
+    for key, value in settings.items():
+        if saved is None or key in CHANGEABLE_ON_RESUME or key not in saved or saved[key] == value:
+            continue
+        raise PipelineError(f"--{key.replace('_', '-')} {value}: checkpoint {point.folder} was trained with "
+                            f"{key} {saved[key]}, which a resumed run keeps; resume with {key} {saved[key]} "
+                            "(drop the flag), or start over without --resume")
 
 
 def capture_rng() -> dict:

@@ -4,23 +4,24 @@ speculators 0.3.0's own data path.
 `split_files` (train/validation by file), `Eagle3SampleFileDataset` with `standardize_data_v1`
 (step 02's files unchanged; fp8 files are dequantized first, see common/hidden_states/storage.py),
 `AddUniformNoise` on the training auxiliary states, `MultipackDistributedBatchSamplerV2` packing
-samples into sequences of `total_seq_len` tokens per rank, `create_collate_fn`. Two adjustments,
-both explained where made: the sampler gets the exact lengths of `sample_lengths.json` instead of
-the library's file-size estimate, and the folder is checked first for anything the dataset would
-misread. The sampler is subclassed only to start a pass after the batches a step checkpoint
+samples into sequences of `total_seq_len` tokens per rank, `create_collate_fn`. Three adjustments,
+each explained where made: the sampler gets the exact lengths of `sample_lengths.json` instead of
+the library's file-size estimate, the folder is checked first for anything the dataset would
+misread, and a file that cannot be loaded or does not match the manifests is skipped and counted
+instead of ending the run (common/train/sample_files.py). The sampler is subclassed only to start a pass after the batches a step checkpoint
 already trained.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from speculators.train.data import (
-    Eagle3SampleFileDataset,
     create_collate_fn,
     list_files,
     split_files,
@@ -35,6 +36,7 @@ from common.errors import PipelineError
 from common.hidden_states.files import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig, sample_index
 from common.hidden_states.storage import StateStorage, get_storage, standardize_fn
 from common.target.config import TargetInfo
+from common.train.sample_files import CheckedDataLoader, CheckedSampleDataset, SkipTally, checked_collate, first_line
 from common.train.settings import TrainSettings
 
 SPLIT_FILE = "validation_split.json"  # in the draft folder: which prepared rows 05 may treat as held out
@@ -45,16 +47,28 @@ class HiddenStateData:
     folder: Path
     config: DataConfig
     lengths: dict[Path, int]  # tokens of every file the library's dataset will load
+    unreadable: dict[Path, str] = field(default_factory=dict)  # files found damaged before loading: why
 
     @property
     def files(self) -> list[Path]:
         return list(self.lengths)
 
+    def skip_tally(self, files: list[Path] | None = None) -> SkipTally:
+        """A tally of skipped files among `files` (default: all; common/train/sample_files.py),
+        told of those already found damaged."""
+        files = self.files if files is None else files
+        tally = SkipTally(len(files))
+        for path in files:
+            if Path(path) in self.unreadable:
+                tally.add(path, self.unreadable[Path(path)])
+        return tally
+
 
 def load_hidden_states(folder: str | Path) -> HiddenStateData:
     """Step 02's folder, checked for what would make speculators' dataset misread it: every
-    file it loads (any name ending in `pt`) must be a listed `data_{i}.pt`, and the first one
-    must hold the four states of the hidden size `data_config.json` declares."""
+    file it loads (any name ending in `pt`) must be a listed `data_{i}.pt`, and the first
+    readable one must hold the four states of the hidden size `data_config.json` declares. Files
+    cut short are noted in `unreadable` (skipped when loaded, see common/train/sample_files.py)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise PipelineError(f"hidden states {folder}: no such folder (run 02_extract_hidden_states.py first)")
@@ -73,16 +87,15 @@ def load_hidden_states(folder: str | Path) -> HiddenStateData:
     if unlisted:
         raise PipelineError(f"hidden states {folder}: {unlisted[0]} is not listed in {SAMPLE_LENGTHS} "
                             f"({len(unlisted)} such files; run 02_extract_hidden_states.py again to finish the folder)")
-    # A file cut short (a killed copy, a full disk) would stop the library's loader mid-epoch; its
-    # size gives it away without reading it: the four states alone take 4 x S x H x 2 bytes (bf16).
+    # A file cut short (a killed copy, a full disk) gives itself away by its size without being
+    # read: the four states alone take 4 x S x H x 2 bytes (bf16).
     storage = _storage(config, folder)
     per_token = storage.bytes_per_token(NUM_STATES, config.hidden_size)
-    short = [f for f in files if f.stat().st_size < listed[sample_index(f)] * per_token]
-    if short:
-        raise PipelineError(f"hidden states {folder}: {short[0]} is cut short ({len(short)} such files); "
-                            "run 02_extract_hidden_states.py again to redo them")
-    _check_sample(files[0], config.hidden_size, storage)
-    return HiddenStateData(folder, config, {f: listed[sample_index(f)] for f in files})
+    unreadable = {f: f"cut short ({f.stat().st_size:,} bytes, its {listed[sample_index(f)]} tokens need at least "
+                     f"{listed[sample_index(f)] * per_token:,})"
+                  for f in files if f.stat().st_size < listed[sample_index(f)] * per_token}
+    _check_first_readable(folder, [f for f in files if f not in unreadable], config.hidden_size, storage, unreadable)
+    return HiddenStateData(folder, config, {f: listed[sample_index(f)] for f in files}, unreadable)
 
 
 def _storage(config: DataConfig, folder: Path) -> StateStorage:
@@ -92,17 +105,25 @@ def _storage(config: DataConfig, folder: Path) -> StateStorage:
         raise PipelineError(f"hidden states {folder}: {DATA_CONFIG}: {e}") from e
 
 
-def _check_sample(path: Path, hidden_size: int, storage: StateStorage) -> None:
-    try:
-        sample = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        size = sample["input_ids"].shape[0]
-        ok = sample["loss_mask"].shape == (size,) and storage.holds(sample, NUM_STATES, (size, hidden_size))
-    except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
-        raise PipelineError(f"hidden states {path}: not a readable v1 sample ({type(e).__name__}: {e})") from e
-    if not ok:
-        raise PipelineError(f"hidden states {path}: expected {NUM_STATES} {storage.dtype_name} states of hidden size "
-                            f"{hidden_size}{' with their scales' if storage.scaled else ''} ({DATA_CONFIG} says "
-                            f"storage {storage.name}) and one id and mask per position")
+def _check_first_readable(folder: Path, files: list[Path], hidden_size: int, storage: StateStorage,
+                          unreadable: dict[Path, str]) -> None:
+    """The first file that loads must hold what `data_config.json` declares (a folder of other
+    states is refused); files before it that do not load are added to `unreadable`."""
+    for path in files:
+        try:
+            sample = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+            size = sample["input_ids"].shape[0]
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped the same way
+            unreadable[path] = f"cannot be loaded ({first_line(e)})"
+            continue
+        ok = (isinstance(sample.get("loss_mask"), torch.Tensor) and sample["loss_mask"].shape == (size,)
+              and storage.holds(sample, NUM_STATES, (size, hidden_size)))
+        if not ok:
+            raise PipelineError(f"hidden states {path}: expected {NUM_STATES} {storage.dtype_name} states of hidden "
+                                f"size {hidden_size}{' with their scales' if storage.scaled else ''} ({DATA_CONFIG} "
+                                f"says storage {storage.name}) and one id and mask per position")
+        return
+    raise PipelineError(f"hidden states {folder}: no readable data file (run 02_extract_hidden_states.py --verify)")
 
 
 def check_data_fits(data: HiddenStateData, shape: DraftShape, config_path: Path, info: TargetInfo) -> None:
@@ -132,21 +153,21 @@ def split_data(data: HiddenStateData, val_ratio: float, seed: int) -> tuple[list
 
 
 def make_loader(data: HiddenStateData, files: list[Path], settings: TrainSettings, world_size: int, rank: int,
-                train: bool, pin_memory: bool) -> DataLoader:
+                train: bool, pin_memory: bool, tally: SkipTally | None = None) -> DataLoader:
+    """The library's data path over `files`, with damaged files skipped and counted in `tally`
+    (common/train/sample_files.py; a fresh one for the data when None)."""
     transform = (AddUniformNoise(std=settings.noise_std, tensors=("hidden_states",))
                  if train and settings.noise_std > 0 else None)
-    dataset = Eagle3SampleFileDataset(max_len=settings.total_seq_len, file_list=[str(f) for f in files],
-                                      transform=transform, standardize_fn=standardize_fn(data.config.storage))
-    # The library estimates lengths from file sizes relative to the first file, which is far off
-    # when the per-file overhead rivals the per-token bytes (small hidden sizes); 02 recorded the
-    # exact lengths. One less: the dataset drops a position when it shifts inputs and targets.
-    dataset.approx_lengths = [data.lengths[Path(f)] - 1 for f in files]
+    # 02 recorded the exact lengths; the library would estimate them from file sizes.
+    dataset = CheckedSampleDataset(files, [data.lengths[Path(f)] for f in files], data.config.hidden_size,
+                                   settings.total_seq_len, transform, standardize_fn(data.config.storage))
     sampler = ResumableBatchSampler(batch_max_length=settings.total_seq_len, lengths=dataset.approx_lengths,
                                     num_replicas=world_size, rank=rank, seed=settings.seed)
     workers = settings.num_workers
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                      collate_fn=create_collate_fn(settings.total_seq_len), persistent_workers=workers > 0,
-                      prefetch_factor=8 if workers else None)
+    return CheckedDataLoader(dataset, tally if tally is not None else data.skip_tally(files), batch_sampler=sampler,
+                             num_workers=workers, pin_memory=pin_memory,
+                             collate_fn=checked_collate(create_collate_fn(settings.total_seq_len)),
+                             persistent_workers=workers > 0, prefetch_factor=8 if workers else None)
 
 
 class ResumableBatchSampler(MultipackDistributedBatchSamplerV2):
@@ -160,11 +181,15 @@ class ResumableBatchSampler(MultipackDistributedBatchSamplerV2):
         return batches
 
 
-def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: TrainSettings) -> dict:
-    """The split as prepared-dataset rows (`data_{i}.pt` holds row i of 02's prepared input)."""
-    return {"prepared": data.config.prepared, "prepared_fingerprint": data.config.prepared_fingerprint,
-            "hidden_states": str(data.folder), "val_ratio": settings.val_ratio,
-            "seed": settings.seed, "train_samples": len(train),
+def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: TrainSettings,
+                 draft_dir: Path) -> dict:
+    """The split as prepared-dataset rows (`data_{i}.pt` holds row i of 02's prepared input).
+    Folders are recorded relative to `draft_dir`, where the record is written, so the run
+    folder can be moved or copied; 05 matches the data by the prepared fingerprint."""
+    return {"prepared": os.path.relpath(data.config.prepared, draft_dir),
+            "prepared_fingerprint": data.config.prepared_fingerprint,
+            "hidden_states": os.path.relpath(data.folder.resolve(), Path(draft_dir).resolve()),
+            "val_ratio": settings.val_ratio, "seed": settings.seed, "train_samples": len(train),
             "validation_rows": sorted(sample_index(f) for f in val)}
 
 

@@ -260,6 +260,7 @@ class TrainReport:
     exported_checkpoint: str | None = None  # the checkpoint the draft folder was exported from
     exported_because: str = ""  # "best validation simulated acceptance length", or why the last one
     best_validation: dict | None = None  # ValSummary of the exported checkpoint's validation pass
+    skipped_files: dict[str, str] = field(default_factory=dict)  # hidden-state files not used: why
 
     def save(self, folder: Path) -> Path:
         write_json(folder / REPORT_FILE, asdict(self))

@@ -29,12 +29,13 @@ from common.draft.model import config_differences, read_saved_config, saved_tens
 from common.errors import PipelineError
 from common.train import checkpoints
 from common.train.checkpoints import Position, ResumePoint
-from common.train.metrics import MetricsLog
+from common.train.metrics import LOG_FILE, PLOT_FILE, REPORT_FILE, MetricsLog
 from common.train.optimizers import build_optimizer, build_scheduler
 from common.train.settings import TrainSettings
 
 CHECKPOINTS = "checkpoints"
 DRAFT = "draft"
+RUN_OUTPUTS = (CHECKPOINTS, DRAFT, LOG_FILE, PLOT_FILE, REPORT_FILE)  # what one run of 04 writes into its folder
 STAGING = TMP_PREFIX + "checkpoint"  # not an int: the library's checkpointer never takes it for an epoch
 
 
@@ -58,33 +59,52 @@ def prepare_draft(model: Eagle3DraftModel, settings: TrainSettings) -> None:
 
 def prepare_checkpoints(folder: Path, resume: bool, config: Eagle3SpeculatorConfig, d2t: torch.Tensor,
                         is_main: bool) -> ResumePoint | None:
-    """The checkpoint to continue from (None: start at epoch 1). With `resume`, it must come from
-    the same draft config and vocabulary. Without it, earlier checkpoints are moved aside, never
-    deleted: the library would overwrite them epoch by epoch and leave later ones to be taken
-    for this run's."""
+    """The checkpoint to continue from (None: start at epoch 1). With `resume`, it must be
+    readable and come from the same draft config and vocabulary. Without it, an earlier run's
+    outputs in `folder.parent` are moved aside together, never deleted (`move_earlier_run_aside`)."""
     if is_main and folder.is_dir():
         remove_stale_temporaries(folder)
+    if not resume:
+        if is_main:
+            move_earlier_run_aside(folder.parent)
+        return None
     point = checkpoints.latest(folder)
     if point is None:
-        if resume and is_main:
+        if is_main:
             print(f"--resume: no checkpoint in {folder}; starting at epoch 1")
         return None
-    if resume:
-        differ = config_differences(read_saved_config(point.folder), config)
-        saved_d2t = saved_tensor(point.folder, "d2t")
-        if saved_d2t is None or not torch.equal(saved_d2t, d2t):
-            differ.append("the vocabulary maps (d2t) differ")
-        if differ:
-            raise PipelineError(f"checkpoint {point.folder} was trained with another draft config: "
-                                f"{'; '.join(differ)}; resume with the same config and vocabulary, "
-                                "or drop --resume to start over")
-        return point
-    if is_main:
-        kept = folder.with_name(f"{folder.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-        folder.rename(kept)
-        print(f"starting over: the checkpoints of an earlier run were moved to {kept} "
-              "(pass --resume to continue a run instead; delete that folder when it is no longer needed)")
-    return None
+    checkpoints.check_readable(point.folder)
+    differ = config_differences(read_saved_config(point.folder), config)
+    saved_d2t = saved_tensor(point.folder, "d2t")
+    if saved_d2t is None or not torch.equal(saved_d2t, d2t):
+        differ.append("the vocabulary maps (d2t) differ")
+    if differ:
+        raise PipelineError(f"checkpoint {point.folder} was trained with another draft config: "
+                            f"{'; '.join(differ)}; resume with the same config and vocabulary, "
+                            "or drop --resume to start over")
+    return point
+
+
+def move_earlier_run_aside(output: Path) -> Path | None:
+    """Move the files of an earlier 04 run in `output` (checkpoints, draft, log, plot, report)
+    together into `output/train.previous-<time>/`, so a fresh run neither overwrites nor mixes
+    with them (the library would overwrite checkpoints epoch by epoch and leave later ones to be
+    taken for this run's). Returns the folder, or None when there was nothing to move."""
+    found = [output / name for name in RUN_OUTPUTS if (output / name).exists()]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = output / f"train.previous-{stamp}"
+    n = 1
+    while kept.exists():  # two fresh runs within one second
+        n += 1
+        kept = output / f"train.previous-{stamp}-{n}"
+    kept.mkdir()
+    for path in found:
+        path.rename(kept / path.name)
+    print(f"starting over: the outputs of an earlier run ({', '.join(p.name for p in found)}) were moved to {kept} "
+          "(pass --resume to continue a run instead; delete that folder when it is no longer needed)")
+    return kept
 
 
 class ProjectTrainer(Trainer):
@@ -224,7 +244,7 @@ class ProjectTrainer(Trainer):
         name = str(position.epoch if position.epoch_complete else position.global_step)
         staging = root / STAGING
         (staging / name).mkdir(parents=True, exist_ok=True)
-        checkpoints.write_state(staging / name, position, self.rank)
+        checkpoints.write_state(staging / name, position, self.rank, vars(self.settings))
         saved_path, self.checkpointer.path = self.checkpointer.path, staging
         try:
             self.checkpointer.save_checkpoint(self.model, self.opt, name, float_dtype=torch.float32)
