@@ -188,7 +188,7 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
 def read_prompt_set(path: Path, fmt: str | None = None) -> tuple[str, list[PromptItem]]:
     """(format, items) of the file at `path`, in file order; `fmt` forces a format."""
     if not path.is_file():
-        hint = next((f" (python scripts/fetch_prompt_sets.py fetches it)" for s in PUBLISHED_SETS.values()
+        hint = next((" (python scripts/fetch_prompt_sets.py fetches it)" for s in PUBLISHED_SETS.values()
                      if s.path == path), "")
         raise PipelineError(f"prompt set {path}: no such file{hint}")
     items: list[PromptItem] = []
