@@ -500,12 +500,21 @@ def test_checkpoint_of_another_config_is_refused_on_resume(trained, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_of_another_optimizer_is_refused_on_resume(trained, tmp_path):
-    shutil.copytree(trained.run / "checkpoints", tmp_path / "out" / "checkpoints")
+    """The recorded settings name the flag; a checkpoint of an earlier version (no settings recorded)
+    is still refused by its optimizer's parameter groups, naming the checkpoint."""
+    out = tmp_path / "out"
+    shutil.copytree(trained.run / "checkpoints", out / "checkpoints")
+    folder = out / "checkpoints" / "1"
     with pytest.raises(PipelineError) as error:
-        train_in_process(*bad_input_args(trained, tmp_path / "out"), "--optimizer", "adamw", "--resume")
-    assert str(error.value).startswith(f"checkpoint {tmp_path / 'out' / 'checkpoints' / '1'} was trained with another "
-                                       "optimizer set-up (parameter groups of [8, 4] there, [15] now with "
-                                       "--optimizer adamw)")
+        train_in_process(*bad_input_args(trained, out), "--optimizer", "adamw", "--resume")
+    assert str(error.value).startswith(f"--optimizer adamw: checkpoint {folder} was trained with optimizer muon")
+    state = json.loads((folder / checkpoints.STATE_FILE).read_text())
+    del state["settings"]
+    (folder / checkpoints.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(PipelineError) as error:
+        train_in_process(*bad_input_args(trained, out), "--optimizer", "adamw", "--resume")
+    assert str(error.value).startswith(f"checkpoint {folder} was trained with another optimizer set-up (parameter "
+                                       "groups of [8, 5] there, [15] now with --optimizer adamw)"), str(error.value)
 
 
 @pytest.mark.slow

@@ -42,7 +42,14 @@ from test_04_train import write_hidden_states
 from common.atomic import TMP_PREFIX
 from common.defaults import REPO_ROOT
 from common.draft.model import TINY_CONFIG
-from common.hidden_states.files import SAMPLE_LENGTHS, DataConfig, is_valid_sample, list_sample_files, sample_path
+from common.hidden_states.files import (
+    LOCK_FORMAT,
+    SAMPLE_LENGTHS,
+    DataConfig,
+    is_valid_sample,
+    list_sample_files,
+    sample_path,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +162,10 @@ class Fault:
 
 
 def is_temporary(rel: str) -> bool:
-    return any(part.startswith(TMP_PREFIX) for part in Path(rel).parts)
+    """A temporary, or 02's shard lock (left by a killed run, removed by the next one's exit): not an output."""
+    name = Path(rel).name
+    return any(part.startswith(TMP_PREFIX) for part in Path(rel).parts) or fnmatch.fnmatch(
+        name, LOCK_FORMAT.format(shard="*", shards="*"))
 
 
 def matches(rel: str, patterns: tuple[str, ...]) -> bool:

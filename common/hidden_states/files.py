@@ -66,6 +66,7 @@ FILES_PER_FOLDER = 10_000
 DATA_CONFIG = "data_config.json"
 SAMPLE_LENGTHS = "sample_lengths.json"
 SAMPLE_RE = re.compile(r"data_(\d+)\.pt")
+LOCK_FORMAT = ".extract_lock_{shard}_of_{shards}"  # held while a 02 writes that shard (see shard_lock)
 MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")
 # What must agree between a folder's existing files and a new run writing into it.
 IDENTITY_FIELDS = ("architecture", "text_architecture", "hidden_size", "num_layers", "vocab_size",
@@ -471,7 +472,7 @@ def shard_lock(root: Path, shard_index: int, num_shards: int) -> Iterator[None]:
     the same folder (a command started twice, a job scheduled twice) would redo the same work and
     race on every file, so it is refused, naming the process that holds the lock. The kernel drops
     a lock when its process dies (SIGKILL included); the file is removed on a normal exit."""
-    path = root / f".extract_lock_{shard_index}_of_{num_shards}"
+    path = root / LOCK_FORMAT.format(shard=shard_index, shards=num_shards)
     while True:
         file = path.open("a+", encoding="utf-8")
         try:
