@@ -132,18 +132,24 @@ def test_ids_are_the_tokenization_of_the_whole_rendering(maskers, tokenizers, ki
         text, spans = encoded.rendering.text, encoded.rendering.spans
         assert encoded.input_ids == tok.encode(text, add_special_tokens=False)
         # The supervised tokens decode to exactly the supervised character spans.
-        runs, run = [], []
-        for token, m in zip(encoded.input_ids + [None], encoded.loss_mask + [0]):
-            if m:
-                run.append(token)
-            elif run:
-                runs.append(tok.decode(run))
-                run = []
+        runs = supervised_runs(tok, encoded)
         assert runs == [text[a:b] for a, b in spans]
         assert len(spans) == sum(m.role == "assistant" for m in conversation.messages)
         assert encoded.rendering.stripped_turns == 0
         # Every turn's reasoning is supervised on both targets.
         assert encoded.rendering.reasoning_turns == sum(m.reasoning is not None for m in conversation.messages)
+
+
+def supervised_runs(tok, encoded) -> list[str]:
+    """The decoded text of each run of supervised tokens, in order."""
+    runs, run = [], []
+    for token, m in zip(encoded.input_ids + [None], encoded.loss_mask + [0]):
+        if m:
+            run.append(token)
+        elif run:
+            runs.append(tok.decode(run))
+            run = []
+    return runs
 
 
 def test_assistant_header_read_off_the_template(maskers):
@@ -292,13 +298,7 @@ def test_long_conversations_get_the_reference_ids_through_the_fast_path(maskers,
         # A user's `<|im_end|>` is the special id on both paths, as the template's own.
         assert encoded.input_ids.count(im_end) == text.count("<|im_end|>") > len(messages)
         assert len(spans) == sum(m.role == "assistant" for m in messages) and len(encoded.input_ids) > 1500
-        runs, run = [], []
-        for token, m in zip(encoded.input_ids + [None], encoded.loss_mask + [0]):
-            if m:
-                run.append(token)
-            elif run:
-                runs.append(tok.decode(run))
-                run = []
+        runs = supervised_runs(tok, encoded)
         assert runs == [text[a:b] for a, b in spans]  # the supervised tokens are exactly the spans
 
 
