@@ -80,8 +80,12 @@ def _builtins_called_directly(call):
     anything on one: `is_safe_callable`'s `unsafe_callable`/`alters_data` markers and `Context.call`'s
     `jinja_pass_arg` (a built-in method has no instance attributes and its type defines none)."""
     def direct(context, obj, /, *args, **kwargs):
-        if type(obj) is not BuiltinMethodType or "_loop_vars" in kwargs or "_block_vars" in kwargs:
+        if type(obj) is not BuiltinMethodType:
             return call(context, obj, *args, **kwargs)
+        # Inside a loop or block jinja passes its variables along (nearly every call of a chat
+        # template); Context.call hands them only to a pass_context callable, so it drops them here.
+        kwargs.pop("_loop_vars", None)
+        kwargs.pop("_block_vars", None)
         try:
             return obj(*args, **kwargs)
         except StopIteration:  # as Context.call answers it

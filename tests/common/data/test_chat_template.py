@@ -45,6 +45,35 @@ def test_sandbox_refuses_as_before(flat_target, unsafe):
     assert messages == [{"role": "user", "content": "hi"}]
 
 
+# Calls inside loops and blocks (jinja passes their variables along with every call there): built-in
+# methods, a macro, a macro with `caller`, the loop's own methods, a namespace, `str.format`, a global.
+LOOP_TEMPLATE = """{%- macro wrap(text) -%}[{{ text.strip() }}|{{ caller() if caller else '' }}]{%- endmacro -%}
+{%- set ns = namespace(n=0) -%}
+{%- for m in messages -%}
+  {%- set ns.n = ns.n + 1 -%}
+  {{ loop.cycle('a', 'b') }}{{ m.get('role').upper() }}:{{ m['content'].split(' ') | join('_') }}
+  {%- for key in m.keys() | sort -%}<{{ key.replace('e', 'E') }}>{%- endfor -%}
+  {{ wrap(m.get('content', '')) }}{% call wrap('x') %}{{ loop.index }}{% endcall %}{{ '{}-{}'.format(ns.n, m.role) }}
+{%- endfor -%}
+{%- if messages | length > 9 -%}{{ raise_exception('too long') }}{%- endif -%}"""
+
+
+def test_calls_inside_loops_render_as_before(flat_target):
+    tokenizer = AutoTokenizer.from_pretrained(flat_target)
+    tokenizer.chat_template = LOOP_TEMPLATE
+    messages = [{"role": "user", "content": " hi there "}, {"role": "assistant", "content": "yes  it is"}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert ChatTemplate(tokenizer)(messages) == expected
+    assert "aUSER:_hi_there_" in expected and "[x|2]2-assistant" in expected
+
+
+def test_format_inside_a_loop_stays_sandboxed(flat_target):
+    tokenizer = AutoTokenizer.from_pretrained(flat_target)
+    tokenizer.chat_template = "{% for m in messages %}{{ '{0.__class__.__mro__}'.format(m) }}{% endfor %}"
+    with pytest.raises(SecurityError):
+        ChatTemplate(tokenizer)([{"role": "user", "content": "hi"}])
+
+
 def test_apply_chat_template_errors_off_the_common_path(tokenizers):
     template = ChatTemplate(tokenizers["flat"])
     with pytest.raises(ValueError, match="Tools should either be a JSON schema"):
