@@ -7,6 +7,8 @@ template's own switch (Kimi: preserve_thinking=True). Inputs: JSONL, JSON, Parqu
 Hugging Face dataset, or a folder of them; OpenAI (`messages`, `tools`, `tool_calls`, tool
 results, list content) or ShareGPT (`conversations`, with function_call/observation turns) form.
 Bad samples and malformed tool calls are skipped and counted by reason in prepare_report.json.
+Interrupted (Ctrl-C, SIGTERM, SIGKILL), the same command run again resumes: what was read and every
+finished chunk of `--chunk-size` conversations are kept next to the output until it is written.
 
 Usage:
     python 01_prepare_data.py                      # every data/demo_*.jsonl, miniature Kimi-style target
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
+from common.data.prepare import CHUNK_SIZE, PrepareOptions, prepare, summary_lines, warning_lines
 from common.defaults import demo_inputs
 
 
@@ -42,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="truncate samples to this many tokens (default: %(default)s)")
     tokens.add_argument("--num-proc", type=int, default=1,
                         help="tokenizer worker processes (default: %(default)s)")
+    tokens.add_argument("--chunk-size", type=int, default=CHUNK_SIZE,
+                        help="conversations tokenized per chunk, the unit of resume: an interrupted run, run "
+                             "again, keeps its finished chunks (default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     options = PrepareOptions(
         inputs=args.input or demo_inputs(), target=target, output=stage_dir(args, "prepared", args.output),
         max_len=args.max_len, max_samples=args.max_samples, seed=args.seed, num_proc=args.num_proc,
-        trust_remote_code=trust_remote_code)
+        trust_remote_code=trust_remote_code, chunk_size=args.chunk_size)
     print(f"target {target}, inputs {', '.join(map(str, options.inputs))}, max length {options.max_len:,}")
 
     # 2. read, tokenize, mask, truncate and write the prepared folder

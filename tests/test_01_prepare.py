@@ -5,6 +5,12 @@ readers and masks themselves: tests/common/data/)."""
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -13,7 +19,7 @@ from common.data.conversations import Conversation, iter_records, resolve_inputs
 from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
 from common.data.prepared_dataset import COLUMNS, PrepareReport, load_prepared
 from common.errors import PipelineError
-from conftest import run_script
+from conftest import REPO_ROOT, run_script
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 IMAGE_RECORD = {"messages": [
@@ -181,3 +187,48 @@ def test_cli_errors_name_the_file(kimi_target, tmp_path, make, reason):
     assert proc.returncode == 1
     assert "error: " in proc.stderr and str(path) in proc.stderr and reason in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _interrupted(args: list, work: Path, sig: signal.Signals, chunks: int = 2) -> subprocess.CompletedProcess:
+    """01 with `args`, sent `sig` once `chunks` chunks are tokenized (its journal in `work`)."""
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "01_prepare_data.py"), *map(str, args)], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    journals = lambda: list(work.glob("*/encoded.json"))  # noqa: E731
+    while not (journals() and len(json.loads(journals()[0].read_text())) >= chunks):
+        assert proc.poll() is None, f"01 ended before it was interrupted:\n{proc.stderr.read()}"
+        assert time.monotonic() < deadline, "01 tokenized no chunk in 300 s"
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_its_finished_chunks(kimi_target, demo_conversations, tmp_path):
+    """SIGKILL after 2 of 16 chunks: the same command reuses what was read and the finished chunks
+    and writes what an uninterrupted run writes; with the input changed it starts over."""
+    inputs = tmp_path / "many.jsonl"
+    inputs.write_text(demo_conversations.read_text(encoding="utf-8") * 4, encoding="utf-8")  # 1,600
+    out = tmp_path / "run" / "prepared"
+    args = ["--input", inputs, "--target", kimi_target, "--trust-remote-code", "--output", out, "--max-len", "256",
+            "--chunk-size", "100"]
+    work = out.parent / ".tmp-prepared.resume"
+    killed = _interrupted(args, work, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL and not out.exists()
+    proc = run_script("01_prepare_data.py", *args)
+    resumed = re.search(r"resuming: (\d+) of 16 chunks", proc.stdout + proc.stderr)
+    assert "resuming: the 1,600 conversations read before" in proc.stdout + proc.stderr and resumed
+    assert int(resumed.group(1)) >= 2 and not work.exists()
+
+    expected = _prepare(kimi_target, [inputs], tmp_path / "reference" / "prepared", max_len=256)
+    (ds, report), (ref, ref_report) = load_prepared(out), load_prepared(tmp_path / "reference" / "prepared")
+    assert ds.to_dict() == ref.to_dict() and asdict(report) == asdict(ref_report) == asdict(expected)
+
+    terminated = _interrupted(args, work, signal.SIGTERM)
+    assert terminated.returncode == 143 and "terminated: finished files are kept" in terminated.stderr
+    with inputs.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(_conv("One more question?", "One more answer.")) + "\n")
+    proc = run_script("01_prepare_data.py", *args)
+    assert "resuming" not in proc.stdout + proc.stderr and not work.exists()
+    assert load_prepared(out)[1].samples_read == 1601

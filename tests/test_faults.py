@@ -448,7 +448,7 @@ def has_data_files(folder: str) -> Callable[[Path], bool]:
 
 
 def has_scratch(run: Path) -> bool:
-    return any(run.glob(f"{TMP_PREFIX}new_prepared.scratch.*"))
+    return any(run.glob(f"{TMP_PREFIX}new_prepared.resume/*"))
 
 
 def has_trained_a_step(run: Path) -> bool:
@@ -596,11 +596,11 @@ FAULTS = [
           check=kept_conversations(6, {})),
     Fault("disk_full_01", PREPARE, lambda ws: ws.prepare("--input", REPO_ROOT / "data" / "demo_conversations.jsonl",
                                                          "--output", mounted_tmpfs(ws, "64k") / "prepared"),
-          1, r"cannot write .*mnt/\.tmp-prepared\.scratch\.\w+: no space left on its disk \([\d.,]+ [KM]?B free\)"),
+          1, r"cannot write .*mnt/\.tmp-prepared\.resume/\w+: no space left on its disk \([\d.,]+ [KM]?B free\)"),
     Fault("file_size_limit_01", PREPARE,
           lambda ws: ws.prepare("--input", REPO_ROOT / "data" / "demo_conversations.jsonl", "--output",
                                 ws.run / "new_prepared"),
-          1, r"cannot write .*\.tmp-new_prepared\.scratch\.\w+: file too large for the file-size limit",
+          1, r"cannot write .*\.tmp-new_prepared\.resume/\w+: file too large for the file-size limit",
           file_size_limit=64_000),
     # 02: the target, the prepared data, the output folder
     Fault("target_without_weights", EXTRACT, target_without_weights,

@@ -2,9 +2,16 @@
 
 read (all inputs, validated, bad records counted) -> optional deterministic subset
 (`--max-samples`, `--seed`) -> render + tokenize + mask (`datasets.map`, `--num-proc`
-workers) -> truncate at `--max-len` -> the prepared folder of `common.data.prepared_dataset`, written
-atomically. Intermediate Arrow files live in a scratch folder next to the output, so memory
-stays flat for 500K conversations.
+workers, `--chunk-size` conversations at a time) -> truncate at `--max-len` -> the prepared folder
+of `common.data.prepared_dataset`, written atomically. Intermediate Arrow files live in a work
+folder next to the output (`.tmp-NAME.resume/`), so memory stays flat for 500K conversations.
+
+Resume: the work folder outlives an interrupted run (Ctrl-C, SIGTERM, SIGKILL, a full disk). It
+keeps what was read once reading is complete, and each tokenized chunk once its file is complete
+(datasets writes a temporary file and renames it), under a key of everything the result depends
+on (the inputs' sizes and modification times, the flags but `--num-proc`, the tokenizer and its
+template, this format); the same command run again reuses them and tokenizes the rest. Another
+key starts over. The work folder is removed once the prepared folder is written.
 """
 
 from __future__ import annotations
@@ -12,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,11 +27,11 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-from datasets import Dataset, Features, List, Value
+from datasets import Dataset, Features, List, Value, concatenate_datasets
 from datasets.exceptions import DatasetGenerationError
 from tqdm import tqdm
 
-from common.atomic import TMP_PREFIX, write_dir, write_error
+from common.atomic import TMP_PREFIX, write_dir, write_error, write_json
 from common.data.conversations import (
     Conversation,
     Message,
@@ -45,6 +51,10 @@ __all__ = ["PrepareOptions", "DropLog", "prepare", "summary_lines", "warning_lin
 
 NO_SUPERVISED_AFTER_TRUNCATION = "no_supervised_after_truncation"
 BATCH_SIZE = 256
+CHUNK_SIZE = 10_000  # conversations tokenized per resumable unit (a minute of one process at most)
+RESUME_FORMAT = 1  # of the work folder; a change in what it keeps starts interrupted runs over
+# What reading adds to the report and the drop log, kept with what was read.
+READ_FIELDS = ("samples_read", "media_parts_dropped", "tool_calls_skipped", "tool_call_examples")
 TOOL_CALL_FEATURES = {"id": Value("string"), "name": Value("string"), "arguments": Value("string"),
                       "arguments_is_object": Value("bool")}
 CONVERSATION_FEATURES = Features({"sample_id": Value("string"), "tools": Value("string"), "messages": List({
@@ -70,11 +80,12 @@ class PrepareOptions:
     seed: int = 0
     num_proc: int = 1
     trust_remote_code: bool = False
+    chunk_size: int = CHUNK_SIZE
 
     def check(self) -> None:
         """Reject bad flag values, naming the flag."""
         for flag, value in (("--max-len", self.max_len), ("--num-proc", self.num_proc),
-                            ("--max-samples", self.max_samples)):
+                            ("--max-samples", self.max_samples), ("--chunk-size", self.chunk_size)):
             if value is not None and value < 1:
                 raise PipelineError(f"{flag} {value}: must be at least 1")
 
@@ -103,21 +114,61 @@ def prepare(options: PrepareOptions) -> PrepareReport:
                            inputs=[str(p) for p in options.inputs], max_samples=options.max_samples,
                            seed=options.seed, rendering=masker.describe(), target_digest=target_digest(info.path))
     drops = DropLog()
-    options.output.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{options.output.name}.scratch.", dir=options.output.parent))
+    work = _work_folder(options, sources, report)
     try:
-        conversations = _read(sources, scratch, report, drops)
+        conversations = _read(sources, work, report, drops)
         conversations = _subset(conversations, options, report)
-        with _naming_write_errors(scratch):
-            encoded = _encode(conversations, masker, options, scratch)
+        with _naming_write_errors(work):
+            encoded = _encode(conversations, masker, options, work)
         kept = _account(encoded, report, drops)
         if report.samples_kept == 0:
             raise PipelineError(_nothing_usable(report, drops))
         with _naming_write_errors(options.output):
             write_dir(options.output, lambda tmp: _save(kept, report, tmp, options.num_proc))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    except PipelineError as e:
+        if not isinstance(e.__cause__, OSError):  # bad input: nothing to resume (a full disk: the rerun's)
+            shutil.rmtree(work.parent, ignore_errors=True)
+        raise
+    shutil.rmtree(work.parent, ignore_errors=True)
     return report
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+def _work_folder(options: PrepareOptions, sources, report: PrepareReport) -> Path:
+    """`.tmp-NAME.resume/KEY/` next to the output: an interrupted run's, if it had the same key;
+    any other key's work is removed."""
+    stamp = {"format": RESUME_FORMAT, "inputs": [[str(p.resolve()), fmt, _file_stamps(p)] for p, fmt in sources],
+             "max_len": options.max_len, "max_samples": options.max_samples, "seed": options.seed,
+             "chunk_size": options.chunk_size, "target": report.target_digest,
+             "template": report.chat_template_sha256, "rendering": report.rendering}
+    key = hashlib.sha256(json.dumps(stamp, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    root = options.output.parent / f"{TMP_PREFIX}{options.output.name}.resume"
+    if root.is_dir():
+        for other in root.iterdir():
+            if other.name != key:
+                shutil.rmtree(other, ignore_errors=True)
+    (root / key).mkdir(parents=True, exist_ok=True)
+    return root / key
+
+
+def _file_stamps(path: Path) -> list:
+    """(name, size, modification time) of an input file, or of every file in an input folder."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [[str(p.relative_to(path)) if path.is_dir() else "", p.stat().st_size, p.stat().st_mtime_ns]
+            for p in files]
+
+
+def _kept_files(work: Path, names: list[str]) -> Dataset | None:
+    """The dataset of Arrow files a run kept in `work`, or None if one is missing."""
+    if not names or not all((work / name).is_file() for name in names):
+        return None
+    parts = [Dataset.from_file(str(work / name)) for name in names]
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+
+
+def _kept_names(dataset: Dataset, work: Path) -> list[str]:
+    return [str(Path(f["filename"]).resolve().relative_to(work.resolve())) for f in dataset.cache_files]
 
 
 # --- stages ---------------------------------------------------------------------------------
@@ -152,18 +203,39 @@ def _messages(rows: list[dict]) -> list[Message]:
                     tool_calls=tuple(ToolCall(**c) for c in m["tool_calls"] or ())) for m in rows]
 
 
-def _read(sources, scratch: Path, report: PrepareReport, drops: DropLog) -> Dataset:
-    """Validated conversations as an Arrow-backed dataset in `scratch`."""
+def _read(sources, work: Path, report: PrepareReport, drops: DropLog) -> Dataset:
+    """Validated conversations as an Arrow-backed dataset in `work`: an interrupted run's once it
+    had read everything (with its counts), or read now."""
+    journal = work / "read.json"
+    if journal.is_file():
+        state = json.loads(journal.read_text())
+        kept = _kept_files(work, state["files"])
+        if kept is not None:
+            for name in READ_FIELDS:
+                setattr(report, name, state["report"][name])
+            drops.counts.update(state["drops"]["counts"])
+            drops.examples.update(state["drops"]["examples"])
+            tqdm.write(f"resuming: the {report.samples_read:,} conversations read before, kept in {work}")
+            return kept
+    shutil.rmtree(work / "read", ignore_errors=True)  # an interrupted read starts over
+    conversations = _read_now(sources, work, report, drops)
+    write_json(journal, {"files": _kept_names(conversations, work),
+                         "report": {name: getattr(report, name) for name in READ_FIELDS},
+                         "drops": {"counts": dict(drops.counts), "examples": drops.examples}})
+    return conversations
+
+
+def _read_now(sources, work: Path, report: PrepareReport, drops: DropLog) -> Dataset:
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # the reader shows its own bar
     try:
-        return Dataset.from_generator(_generate, features=CONVERSATION_FEATURES, cache_dir=str(scratch / "read"),
+        return Dataset.from_generator(_generate, features=CONVERSATION_FEATURES, cache_dir=str(work / "read"),
                                       gen_kwargs={"sources": sources, "report": report, "drops": drops})
     except DatasetGenerationError as e:
         if isinstance(e.__cause__, PipelineError):
             raise e.__cause__ from None
         if isinstance(e.__cause__, OSError):  # writing the Arrow files of what was read (a full disk)
-            raise PipelineError(write_error(e.__cause__, scratch)) from e
+            raise PipelineError(write_error(e.__cause__, work)) from e.__cause__
         raise
     except ValueError as e:
         if sum(drops.counts.values()) == report.samples_read:  # datasets refuses an empty split
@@ -221,14 +293,38 @@ def _encode_batch(batch: dict, masker: ChatMasker, max_len: int) -> dict:
     return out
 
 
-def _encode(conversations: Dataset, masker: ChatMasker, options: PrepareOptions, scratch: Path) -> Dataset:
-    # An explicit fingerprint spares datasets from hashing the tokenizer; no cache is reused.
-    fingerprint = hashlib.sha256(f"{len(conversations)}:{options}".encode()).hexdigest()[:16]
-    return conversations.map(
+def _encode(conversations: Dataset, masker: ChatMasker, options: PrepareOptions, work: Path) -> Dataset:
+    """`_encode_batch` over all conversations, `--chunk-size` at a time; the chunks an interrupted
+    run finished (`encoded.json`) are reused."""
+    journal = work / "encoded.json"
+    done: dict[str, list[str]] = json.loads(journal.read_text()) if journal.is_file() else {}
+    bounds = list(range(0, len(conversations), options.chunk_size))
+    reused = [i for i in range(len(bounds)) if _kept_files(work, done.get(str(i), [])) is not None]
+    if reused:
+        tqdm.write(f"resuming: {len(reused):,} of {len(bounds):,} chunks of {options.chunk_size:,} conversations "
+                   f"tokenized before, kept in {work}")
+    parts = []
+    for i, start in enumerate(bounds):
+        kept = _kept_files(work, done.get(str(i), [])) if i in reused else None
+        if kept is None:
+            chunk = conversations.select(range(start, min(start + options.chunk_size, len(conversations))))
+            kept = _encode_chunk(chunk, masker, options, work / f"encoded-{i:05d}.arrow",
+                                 "tokenize" if len(bounds) == 1 else f"tokenize {i + 1}/{len(bounds)}")
+            done[str(i)] = _kept_names(kept, work)
+            write_json(journal, done)
+        parts.append(kept)
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+
+
+def _encode_chunk(chunk: Dataset, masker: ChatMasker, options: PrepareOptions, file: Path, desc: str) -> Dataset:
+    # An explicit fingerprint spares datasets from hashing the tokenizer; its own cache is not
+    # consulted (the journal is), and it writes `file` under a temporary name first.
+    fingerprint = hashlib.sha256(f"{file.name}:{len(chunk)}:{options}".encode()).hexdigest()[:16]
+    return chunk.map(
         _encode_batch, batched=True, batch_size=BATCH_SIZE, num_proc=options.num_proc if options.num_proc > 1 else None,
-        fn_kwargs={"masker": masker, "max_len": options.max_len}, remove_columns=conversations.column_names,
-        features=ENCODED_FEATURES, new_fingerprint=fingerprint, cache_file_name=str(scratch / "encoded.arrow"),
-        desc="tokenize")
+        fn_kwargs={"masker": masker, "max_len": options.max_len}, remove_columns=chunk.column_names,
+        features=ENCODED_FEATURES, new_fingerprint=fingerprint, cache_file_name=str(file),
+        load_from_cache_file=False, desc=desc)
 
 
 def _account(encoded: Dataset, report: PrepareReport, drops: DropLog) -> Dataset:
