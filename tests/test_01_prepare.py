@@ -206,18 +206,18 @@ def _interrupted(args: list, work: Path, sig: signal.Signals, chunks: int = 2) -
 
 @pytest.mark.slow
 def test_interrupted_run_resumes_its_finished_chunks(kimi_target, demo_conversations, tmp_path):
-    """SIGKILL after 2 of 16 chunks: the same command reuses what was read and the finished chunks
+    """SIGKILL after 2 of 40 chunks: the same command reuses what was read and the finished chunks
     and writes what an uninterrupted run writes; with the input changed it starts over."""
     inputs = tmp_path / "many.jsonl"
     inputs.write_text(demo_conversations.read_text(encoding="utf-8") * 4, encoding="utf-8")  # 1,600
     out = tmp_path / "run" / "prepared"
     args = ["--input", inputs, "--target", kimi_target, "--trust-remote-code", "--output", out, "--max-len", "256",
-            "--chunk-size", "100"]
+            "--chunk-size", "40"]  # 40 chunks: most are left when the signal comes
     work = out.parent / ".tmp-prepared.resume"
     killed = _interrupted(args, work, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL and not out.exists()
     proc = run_script("01_prepare_data.py", *args)
-    resumed = re.search(r"resuming: (\d+) of 16 chunks", proc.stdout + proc.stderr)
+    resumed = re.search(r"resuming: (\d+) of 40 chunks", proc.stdout + proc.stderr)
     assert "resuming: the 1,600 conversations read before" in proc.stdout + proc.stderr and resumed
     assert int(resumed.group(1)) >= 2 and not work.exists()
 
