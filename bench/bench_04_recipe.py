@@ -1,7 +1,7 @@
 """Benchmark of 04's training recipe: the choices of issue 20, each alone and together, on the same data and budget.
 
     python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
-        [--variants before,teacher-forced,...] [--no-vllm] [--control] [--table-only]
+        [--variants before,teacher-forced,...,upstream-muon] [--no-vllm] [--control] [--table-only]
     # flat miniature: about 5 minutes per variant on 2 quiet CPU cores (04 3, 05 1, vLLM 1-2), far more when shared;
     # figures in RUN_DIR/bench_recipe.json
 
@@ -13,7 +13,13 @@
    with vLLM too (`--engine vllm`) when .venv-vllm exists and `--no-vllm` is not given. A variant
    whose RUN_DIR/<variant>/eval.json exists is not run again (delete the folder to redo it).
 3. A table, side by side: 05's measured acceptance length and per-position acceptance rates,
-   vLLM's, and 04's validation simulated acceptance length.
+   vLLM's, and 05's simulated acceptance length over the held-out rows (04's validation measure).
+
+The `upstream-*` variants train the same draft with speculators 0.9.0's own trainer instead of 04,
+on the same rows, vocabulary, shape and budget, in its own environment (bench/upstream_speculators.py;
+run only when .venv-speculators/ exists: scripts/setup_speculators_env.sh), and are measured by 05
+the same way: `upstream-muon` (its defaults: Muon, draft lm_head frozen), `upstream-muon-head`
+(lm_head trained, as 04 does), `upstream-adamw` (AdamW, lm_head frozen).
 
 Variants: `before` is 04 before issue 20 (AdamW, TTT steps fed the draft's own guesses, PyTorch's
 initialisation, draft lm_head trained); each `+ ...` row changes one thing from it; `defaults` is
@@ -33,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from bench import upstream_speculators as upstream  # noqa: E402
 from common.atomic import write_json  # noqa: E402
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT  # noqa: E402
 from common.draft.model import TINY_CONFIG  # noqa: E402
@@ -61,6 +68,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
 }
 CONTROL = ("control: defaults, noise 0.049", ("--noise-std", "0.049"))
+ALL_VARIANTS = VARIANTS | upstream.VARIANTS  # then speculators 0.9.0's own trainer (bench/upstream_speculators.py)
 
 
 @dataclass
@@ -108,9 +116,12 @@ def train_and_measure(run_dir: Path, target: Path, name: str, flags: tuple[str, 
     result = out / "eval.json"
     if result.is_file():
         return result
-    print(f"{name}: 04 {' '.join(flags) or '(defaults)'}", flush=True)
-    run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", TINY_CONFIG, "--output", out,
-        *flags)
+    if name in upstream.VARIANTS:
+        upstream.train_and_export(run_dir, target, name, flags)
+    else:
+        print(f"{name}: 04 {' '.join(flags) or '(defaults)'}", flush=True)
+        run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", TINY_CONFIG, "--output",
+            out, *flags)
     engine = ["--engine", "vllm"] if vllm else []
     run("05_evaluate.py", "--run-dir", run_dir, *target_args(target), "--draft", out / "draft", "--no-baselines",
         "--max-prompts", str(max_prompts), *engine, "--json", out / "eval.partial.json")
@@ -136,7 +147,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench-recipe")
     parser.add_argument("--target", default="flat", help="flat, kimi (the miniatures) or a target folder")
     parser.add_argument("--max-prompts", type=int, default=58, help="held-out prompts 05 decodes")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(ALL_VARIANTS),
+                        help=f"comma-separated, of {', '.join(ALL_VARIANTS)} (upstream-*: with .venv-speculators/)")
     parser.add_argument("--no-vllm", action="store_true", help="05's own decoder only")
     parser.add_argument("--control", action="store_true", help="also the defaults with a 2%% lower noise")
     parser.add_argument("--table-only", action="store_true", help="print the table of the variants already run")
@@ -146,10 +158,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     target = ensure_target(args.target) if args.target in ("flat", "kimi") else Path(args.target)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    unknown = [v for v in args.variants.split(",") if v not in ALL_VARIANTS]
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
-    chosen = {v: VARIANTS[v] for v in args.variants.split(",")} | ({"control": CONTROL} if args.control else {})
+        raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(ALL_VARIANTS)}")
+    chosen = {v: ALL_VARIANTS[v] for v in args.variants.split(",")} | ({"control": CONTROL} if args.control else {})
+    if not upstream.available() and not args.table_only and any(v in upstream.VARIANTS for v in chosen):
+        print(upstream.missing_message())
+        chosen = {v: c for v, c in chosen.items() if v not in upstream.VARIANTS}
     vllm = DEFAULT_VLLM_PYTHON.is_file() and not args.no_vllm
     if not args.table_only:
         prepare(args.run_dir, target)

@@ -1,0 +1,214 @@
+"""The upstream rows of bench/bench_04_recipe.py: the same draft trained by speculators 0.9.0's own
+trainer (issue 20), in its own environment `.venv-speculators/` (scripts/setup_speculators_env.sh),
+on the same data, vocabulary, draft shape and budget as 04, then served by 05 like 04's drafts.
+
+1. `convert_data`: 02's hidden states and 03's vocabulary in the layout upstream's trainer reads
+   (`RUN_DIR/upstream-data/`): a `datasets` folder of `input_ids`/`loss_mask`/`seq_len` rows,
+   `hidden_states/hs_{i}.safetensors` ([seq, 4, H]: the three auxiliary states, then the last one;
+   `token_ids`), `d2t.npy`/`t2d.npy`, and the draft's decoder config. Rows are 04's training rows
+   first and its held-out rows last, so upstream's sequential split (first `train_data_ratio`
+   of the rows) trains on exactly 04's training rows and 05's held-out prompts stay unseen. 02
+   stores the final state after the target's norm (the lm_head's input) while upstream applies
+   the target's norm itself (`verifier_norm`), so the last state is divided by the norm's weight:
+   RMSNorm is scale-invariant, so upstream's norm of it gives 02's state back.
+2. `train`: bench/upstream_train.py in that environment (its trainer, patched for CPU there).
+3. `export`: the last epoch's checkpoint renamed into 04's draft folder format (speculators 0.3.0
+   config, bf16, d2t/t2d, 04's `validation_split.json`), which 05 and vLLM load like 04's drafts.
+
+The drafts keep 04's architecture (`--no-norm-before-fc --no-norm-output`: no RMSNorm before `fc`,
+the pre-norm state fed across TTT steps): upstream's eagle3 defaults add both norms, which 04's
+speculators 0.3.0 model and 05's decoder do not have (vLLM has them). Everything else is upstream's
+own: its loss (KL to the target), Muon's weight decay 0.1, no noise augmentation, no `post_init`
+seed of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from common.atomic import write_dir, write_json
+from common.defaults import REPO_ROOT
+from common.draft.model import TINY_CONFIG, WEIGHTS_FILE, export_draft, read_config_file, speculator_config
+from common.target.config import load_target_info
+from common.train.data import SPLIT_FILE, HiddenStateData, load_hidden_states, split_data, split_record
+from common.train.settings import TrainSettings
+from common.vocab import load_vocab
+
+UPSTREAM_PYTHON = REPO_ROOT / ".venv-speculators" / "bin" / "python"
+SETUP = "scripts/setup_speculators_env.sh"
+DATA_DIR = "upstream-data"
+LAYER_CONFIG = "draft_layer_config.json"
+CONVERSION = "conversion.json"
+# The decoder config upstream builds the draft from (`--draft-config`): 04's, for this target.
+LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "hidden_act", "vocab_size", "rms_norm_eps", "rope_theta",
+              "rope_scaling", "max_position_embeddings", "initializer_range", "attention_bias", "mlp_bias",
+              "tie_word_embeddings")
+# Its flags for the CPU (see bench/upstream_train.py), and 04's architecture (module docstring).
+CPU_FLAGS = ("--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
+             "--num-workers", "0")
+ARCHITECTURE_FLAGS = ("--no-norm-before-fc", "--no-norm-output")
+# Upstream keeps these in its checkpoints; 04's drafts do not have them (vLLM reads embed_tokens
+# from the target when absent, but 04's drafts carry it, so it is kept).
+DROPPED = ("verifier_norm.weight", "verifier_lm_head.weight")
+
+VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, upstream flags)
+    "upstream-muon": ("speculators 0.9.0: Muon, lm_head frozen", ()),
+    "upstream-muon-head": ("speculators 0.9.0: Muon, lm_head trained", ("--trainable-lm-head",)),
+    "upstream-adamw": ("speculators 0.9.0: AdamW, lm_head frozen", ("--optimizer", "adamw")),
+}
+
+
+@dataclass
+class Split:
+    data: HiddenStateData
+    train: list[Path]
+    val: list[Path]
+    settings: TrainSettings
+
+
+def available() -> bool:
+    return UPSTREAM_PYTHON.is_file()
+
+
+def missing_message() -> str:
+    return f"upstream variants skipped: no {UPSTREAM_PYTHON.parent.parent.name}/ (create it: bash {SETUP})"
+
+
+def split(run_dir: Path) -> Split:
+    """04's split of the run's hidden states under configs/draft_tiny.json's settings."""
+    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {})
+    data = load_hidden_states(run_dir / "hidden_states")
+    train, val = split_data(data, settings.val_ratio, settings.seed)
+    return Split(data, train, val, settings)
+
+
+def target_norm(target: Path) -> torch.Tensor:
+    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(target / index["model.norm.weight"]), framework="pt") as f:
+        return f.get_tensor("model.norm.weight").float()
+
+
+def convert_data(run_dir: Path, target: Path) -> Path:
+    out = run_dir / DATA_DIR
+    if (out / CONVERSION).is_file():
+        return out
+    from datasets import Dataset  # imported late: only the upstream rows need it
+
+    s = split(run_dir)
+    if s.data.config.storage != "bf16":
+        raise SystemExit(f"upstream variants: hidden states stored as {s.data.config.storage}; only bf16 is converted")
+    norm = target_norm(target)
+    info = load_target_info(target)
+    vocab = load_vocab(run_dir / "vocab", info.vocab_size)
+    shape = read_config_file(TINY_CONFIG).model
+    layers = speculator_config(shape, info, vocab.d2t.numel(), s.data.config.layer_ids, s.settings.ttt_steps)
+    order = s.train + s.val
+
+    def fill(tmp: Path) -> None:
+        (tmp / "hidden_states").mkdir()
+        rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        for i, path in enumerate(order):
+            sample = torch.load(path, weights_only=True)
+            *aux, last = (state.float() for state in sample["hidden_states"])
+            states = torch.stack([*aux, last / norm], dim=1)  # [seq, 4, H]
+            save_file({"hidden_states": states, "token_ids": sample["input_ids"]},
+                      str(tmp / "hidden_states" / f"hs_{i}.safetensors"))
+            rows["input_ids"].append(sample["input_ids"].tolist())
+            rows["loss_mask"].append(sample["loss_mask"].tolist())
+            rows["seq_len"].append(len(sample["input_ids"]))
+        dataset = Dataset.from_dict(rows)
+        dataset.set_format("torch")
+        dataset.save_to_disk(str(tmp))
+        np.save(tmp / "d2t.npy", vocab.d2t.numpy())
+        np.save(tmp / "t2d.npy", vocab.t2d.numpy())
+        layer = layers.transformer_layer_config.to_dict()
+        write_json(tmp / LAYER_CONFIG, {k: layer[k] for k in LAYER_KEYS})
+        # The ratio whose int(rows * ratio) is 04's training row count (upstream's split boundary).
+        write_json(tmp / CONVERSION, {"rows": len(order), "train_rows": len(s.train),
+                                      "train_data_ratio": (len(s.train) + 0.5) / len(order),
+                                      "layer_ids": s.data.config.layer_ids, "source": str(run_dir / "hidden_states")})
+
+    write_dir(out, fill)
+    return out
+
+
+def train_flags(data_dir: Path, target: Path, out: Path) -> list[str]:
+    """04's budget (configs/draft_tiny.json) in upstream's flags."""
+    conversion = json.loads((data_dir / CONVERSION).read_text())
+    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {})
+    return ["--verifier-name-or-path", str(target), "--data-path", str(data_dir),
+            "--draft-config", str(data_dir / LAYER_CONFIG),
+            "--target-layer-ids", *map(str, conversion["layer_ids"]),
+            "--d2t-path", str(data_dir / "d2t.npy"), "--t2d-path", str(data_dir / "t2d.npy"),
+            "--train-data-ratio", str(conversion["train_data_ratio"]), "--on-missing", "raise",
+            "--epochs", str(settings.epochs), "--lr", str(settings.lr), "--ttt-steps", str(settings.ttt_steps),
+            "--total-seq-len", str(settings.total_seq_len), "--scheduler-type", settings.scheduler,
+            "--seed", str(settings.seed), "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
+            *CPU_FLAGS, *ARCHITECTURE_FLAGS]
+
+
+def last_checkpoint(out: Path) -> Path | None:
+    epochs = sorted(int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if (p / WEIGHTS_FILE).is_file())
+    return out / "checkpoints" / str(epochs[-1]) if epochs else None
+
+
+def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...]) -> Path:
+    """Upstream's trainer on CPU; it resumes from its own checkpoints when run again."""
+    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {})
+    done = last_checkpoint(out)
+    if done is not None and int(done.name) == settings.epochs - 1:
+        return done
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "upstream_train.log"
+    with log.open("w") as f:
+        proc = subprocess.run([str(UPSTREAM_PYTHON), str(REPO_ROOT / "bench" / "upstream_train.py"),
+                               *train_flags(data_dir, target, out), *flags], cwd=out, stdout=f,
+                              stderr=subprocess.STDOUT, env=os.environ | {"TQDM_DISABLE": "1"}, check=False)
+    done = last_checkpoint(out)
+    if proc.returncode != 0 or done is None:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"upstream training exited {proc.returncode} (log {log}):\n{tail}")
+    return done
+
+
+def export(run_dir: Path, target: Path, checkpoint: Path, out: Path) -> Path:
+    """The checkpoint as a 04 draft folder (its config as 04 writes it for this shape)."""
+    saved = json.loads((checkpoint / "config.json").read_text())
+    extra = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if saved.get(k)]
+    if extra:
+        raise SystemExit(f"{checkpoint}: {', '.join(extra)} set; 04's draft format has no such norms")
+    s = split(run_dir)
+    info = load_target_info(target)
+    vocab = load_vocab(run_dir / "vocab", info.vocab_size)
+    config = speculator_config(read_config_file(TINY_CONFIG).model, info, vocab.d2t.numel(),
+                               s.data.config.layer_ids, s.settings.ttt_steps)
+    state = {k: v for k, v in load_file(str(checkpoint / WEIGHTS_FILE)).items() if k not in DROPPED}
+    if not torch.equal(state["d2t"], vocab.d2t) or not torch.equal(state["t2d"], vocab.t2d):
+        raise SystemExit(f"{checkpoint}: its vocabulary maps are not {run_dir / 'vocab'}'s")
+    renamed = out / "export-source"  # what export_draft reads: a folder with model.safetensors
+    renamed.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(renamed / WEIGHTS_FILE), metadata={"format": "pt"})
+    draft = export_draft(renamed, config, out / "draft",
+                         {SPLIT_FILE: split_record(s.data, s.train, s.val, s.settings, out / "draft"),
+                          "upstream_checkpoint.json": {"checkpoint": str(checkpoint), "config": saved}})
+    (renamed / WEIGHTS_FILE).unlink()
+    renamed.rmdir()
+    return draft
+
+
+def train_and_export(run_dir: Path, target: Path, name: str, flags: tuple[str, ...]) -> Path:
+    """RUN_DIR/<name>/draft, trained by upstream (the data converted once for all variants)."""
+    out = run_dir / name
+    print(f"{name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}", flush=True)
+    checkpoint = train(convert_data(run_dir, target), target, out, flags)
+    return export(run_dir, target, checkpoint, out)

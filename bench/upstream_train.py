@@ -1,0 +1,57 @@
+"""Run upstream speculators' own trainer (`python -m speculators.train`, 0.9.0) on CPU.
+
+    .venv-speculators/bin/python bench/upstream_train.py [--trainable-lm-head] SPECULATORS_TRAIN_FLAGS...
+
+Run by bench/upstream_speculators.py in upstream's environment (scripts/setup_speculators_env.sh),
+never imported by the project: it needs speculators 0.9.0, which cannot share a process with 04's
+0.3.0. Its installed files are not edited; the few things that assume a GPU are patched here, in
+this process only, before its entry point runs:
+
+- the Trainer moves the model and every batch to `get_local_rank()` (CUDA device 0): a CPU device;
+- its step timer calls `torch.accelerator.synchronize()`, which fails without an accelerator: a no-op.
+
+The caller passes the rest as flags: `--draft-attn-impl sdpa` (FlexAttention's block masks need
+CUDA), `--loss-implementation eager` (the fused loss is a Triton kernel), `--hidden-states-dtype
+float32` (CPU autocast to bf16 is slow and would differ from 04's fp32 training), `--num-workers 0`.
+
+`--trainable-lm-head` (ours, not upstream's) trains the draft lm_head, which upstream freezes at the
+target's rows: 0.9.0 has no flag for it, so it is switched on after the draft is built.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+TRAINABLE_LM_HEAD = "--trainable-lm-head"
+
+
+def patch_for_cpu(trainable_lm_head: bool) -> None:
+    from speculators.train import cli, trainer
+
+    trainer.get_local_rank = lambda: "cpu"  # Trainer: self.model.to(local_rank), batch.to(local_rank)
+    torch.accelerator.synchronize = lambda *_args, **_kwargs: None  # _StepTimer marks; nothing to wait for on CPU
+    if trainable_lm_head:
+        build = cli.build_draft_model
+
+        def build_with_trainable_head(*args: Any, **kwargs: Any) -> Any:
+            model = build(*args, **kwargs)
+            model.lm_head.weight.requires_grad_(True)  # the optimizer is built from requires_grad parameters
+            return model
+
+        cli.build_draft_model = build_with_trainable_head
+
+
+def main(argv: list[str]) -> None:
+    trainable_lm_head = TRAINABLE_LM_HEAD in argv
+    patch_for_cpu(trainable_lm_head)
+    from speculators.train.cli import main as train
+    from speculators.train.config import TrainConfig
+
+    train(TrainConfig.resolve([a for a in argv if a != TRAINABLE_LM_HEAD]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
