@@ -171,7 +171,7 @@ def test_cli_writes_folder_and_report(kimi_target, demo_conversations, tmp_path)
     assert all(max(ids) < report.vocab_size for ids in ds["input_ids"])
     for line in summary_lines(report, out):
         assert line in proc.stdout
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]  # scratch removed
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]  # the resume folder removed
 
 
 @pytest.mark.slow

@@ -447,7 +447,7 @@ def has_data_files(folder: str) -> Callable[[Path], bool]:
     return lambda run: any((run / folder).rglob("data_*.pt"))
 
 
-def has_scratch(run: Path) -> bool:
+def has_resume_folder(run: Path) -> bool:
     return any(run.glob(f"{TMP_PREFIX}new_prepared.resume/*"))
 
 
@@ -567,8 +567,8 @@ FAULTS = [
           lambda ws: conversations_file(ws, "alpaca.jsonl", '{"instruction": "Hi", "output": "Hello"}\n' * 3),
           1, r"alpaca\.jsonl: no usable conversation in 3 read; dropped: malformed_record 3 .*"
              r"no 'messages' or 'conversations' list"),
-    Fault("sigint_01", PREPARE, large_input, 130, INTERRUPTED, interrupt=Interrupt(signal.SIGINT, has_scratch)),
-    Fault("sigterm_01", PREPARE, large_input, 143, TERMINATED, interrupt=Interrupt(signal.SIGTERM, has_scratch)),
+    Fault("sigint_01", PREPARE, large_input, 130, INTERRUPTED, interrupt=Interrupt(signal.SIGINT, has_resume_folder)),
+    Fault("sigterm_01", PREPARE, large_input, 143, TERMINATED, interrupt=Interrupt(signal.SIGTERM, has_resume_folder)),
     Fault("record_not_utf8", PREPARE,
           lambda ws: conversations_bytes(ws, "bad_bytes.jsonl", b"".join(DEMO_LINES[:2]) + b'{"messages": "\xff"}\n'
                                          + b"".join(DEMO_LINES[2:])),
