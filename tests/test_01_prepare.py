@@ -126,8 +126,9 @@ def test_prepared_folder_matches_the_masker(demo_conversations, kimi_target, mas
         assert row["num_tokens"] == len(row["input_ids"])
     assert report.total_tokens == sum(ds["num_tokens"])
     assert report.supervised_tokens == sum(sum(m) for m in ds["loss_mask"])
-    # Same seed, same subset, however many workers; another seed, another subset.
-    again = _prepare(kimi_target, [demo_conversations], tmp_path / "again", max_samples=40, seed=3, num_proc=2)
+    # Same seed, same subset, however many workers and chunks; another seed, another subset.
+    again = _prepare(kimi_target, [demo_conversations], tmp_path / "again", max_samples=40, seed=3, num_proc=2,
+                     chunk_size=16)
     assert load_prepared(tmp_path / "again")[0].to_dict() == ds.to_dict() and again.dropped == report.dropped
     _prepare(kimi_target, [demo_conversations], tmp_path / "other", max_samples=40, seed=4)
     assert load_prepared(tmp_path / "other")[0]["sample_id"] != ds["sample_id"]
@@ -135,7 +136,7 @@ def test_prepared_folder_matches_the_masker(demo_conversations, kimi_target, mas
 
 def test_bad_flag_values(kimi_target, demo_conversations, tmp_path):
     for flag, kwargs in (("--max-len", {"max_len": 0}), ("--num-proc", {"num_proc": 0}),
-                         ("--max-samples", {"max_samples": 0})):
+                         ("--max-samples", {"max_samples": 0}), ("--chunk-size", {"chunk_size": 0})):
         with pytest.raises(PipelineError, match=flag):
             _prepare(kimi_target, [demo_conversations], tmp_path / "out", **kwargs)
 

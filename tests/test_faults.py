@@ -701,7 +701,8 @@ FAULTS = [
           interrupt=Interrupt(signal.SIGTERM, has_trained_a_step), check=complete_checkpoints),
     # 04 on a trained run: flags on --resume, a damaged checkpoint, a fresh run beside an earlier one
     Fault("resume_with_other_lr", TRAIN, resume_with("--lr", 0.5),
-          1, r"--lr 0\.5: checkpoint .*checkpoints/0 was trained with lr 0\.006, which a resumed run keeps",
+          1, r"--lr 0\.5: checkpoint .*checkpoints/0 was trained with lr "
+             + re.escape(str(json.loads(TINY_CONFIG.read_text())["training"]["lr"])) + ", which a resumed run keeps",
           trained=True),
     Fault("resume_with_other_scheduler", TRAIN, resume_with("--scheduler", "cosine"),
           1, r"--scheduler cosine: checkpoint .*checkpoints/0 was trained with scheduler linear", trained=True),
