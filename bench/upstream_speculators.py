@@ -27,17 +27,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from common.atomic import write_dir, write_json
 from common.defaults import REPO_ROOT
 from common.draft.model import TINY_CONFIG, WEIGHTS_FILE, export_draft, read_config_file, speculator_config
+from common.hidden_states.vllm_states import final_norm_of
 from common.target.config import load_target_info
 from common.train.data import SPLIT_FILE, HiddenStateData, load_hidden_states, split_data, split_record
 from common.train.settings import TrainSettings
@@ -84,18 +85,17 @@ def missing_message() -> str:
     return f"upstream variants skipped: no {UPSTREAM_PYTHON.parent.parent.name}/ (create it: bash {SETUP})"
 
 
+def tiny_settings() -> TrainSettings:
+    """04's training settings of configs/draft_tiny.json (the bench's budget)."""
+    return TrainSettings.resolve(read_config_file(TINY_CONFIG), {})[0]
+
+
 def split(run_dir: Path) -> Split:
     """04's split of the run's hidden states under configs/draft_tiny.json's settings."""
-    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {})
+    settings = tiny_settings()
     data = load_hidden_states(run_dir / "hidden_states")
     train, val = split_data(data, settings.val_ratio, settings.seed)
     return Split(data, train, val, settings)
-
-
-def target_norm(target: Path) -> torch.Tensor:
-    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
-    with safe_open(str(target / index["model.norm.weight"]), framework="pt") as f:
-        return f.get_tensor("model.norm.weight").float()
 
 
 def convert_data(run_dir: Path, target: Path) -> Path:
@@ -107,8 +107,8 @@ def convert_data(run_dir: Path, target: Path) -> Path:
     s = split(run_dir)
     if s.data.config.storage != "bf16":
         raise SystemExit(f"upstream variants: hidden states stored as {s.data.config.storage}; only bf16 is converted")
-    norm = target_norm(target)
     info = load_target_info(target)
+    norm, _ = final_norm_of(info)  # 02's reader of it (flat or nested checkpoints)
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
     shape = read_config_file(TINY_CONFIG).model
     layers = speculator_config(shape, info, vocab.d2t.numel(), s.data.config.layer_ids, s.settings.ttt_steps)
@@ -145,7 +145,7 @@ def convert_data(run_dir: Path, target: Path) -> Path:
 def train_flags(data_dir: Path, target: Path, out: Path) -> list[str]:
     """04's budget (configs/draft_tiny.json) in upstream's flags."""
     conversion = json.loads((data_dir / CONVERSION).read_text())
-    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {})
+    settings = tiny_settings()
     return ["--verifier-name-or-path", str(target), "--data-path", str(data_dir),
             "--draft-config", str(data_dir / LAYER_CONFIG),
             "--target-layer-ids", *map(str, conversion["layer_ids"]),
@@ -164,9 +164,8 @@ def last_checkpoint(out: Path) -> Path | None:
 
 def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...]) -> Path:
     """Upstream's trainer on CPU; it resumes from its own checkpoints when run again."""
-    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {})
     done = last_checkpoint(out)
-    if done is not None and int(done.name) == settings.epochs - 1:
+    if done is not None and int(done.name) == tiny_settings().epochs - 1:
         return done
     out.mkdir(parents=True, exist_ok=True)
     log = out / "upstream_train.log"
@@ -195,15 +194,11 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path) -> Path:
     state = {k: v for k, v in load_file(str(checkpoint / WEIGHTS_FILE)).items() if k not in DROPPED}
     if not torch.equal(state["d2t"], vocab.d2t) or not torch.equal(state["t2d"], vocab.t2d):
         raise SystemExit(f"{checkpoint}: its vocabulary maps are not {run_dir / 'vocab'}'s")
-    renamed = out / "export-source"  # what export_draft reads: a folder with model.safetensors
-    renamed.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(renamed / WEIGHTS_FILE), metadata={"format": "pt"})
-    draft = export_draft(renamed, config, out / "draft",
-                         {SPLIT_FILE: split_record(s.data, s.train, s.val, s.settings, out / "draft"),
-                          "upstream_checkpoint.json": {"checkpoint": str(checkpoint), "config": saved}})
-    (renamed / WEIGHTS_FILE).unlink()
-    renamed.rmdir()
-    return draft
+    with tempfile.TemporaryDirectory(dir=out) as tmp:  # what export_draft reads: a folder with model.safetensors
+        save_file(state, str(Path(tmp) / WEIGHTS_FILE), metadata={"format": "pt"})
+        return export_draft(Path(tmp), config, out / "draft",
+                            {SPLIT_FILE: split_record(s.data, s.train, s.val, s.settings, out / "draft"),
+                             "upstream_checkpoint.json": {"checkpoint": str(checkpoint), "config": saved}})
 
 
 def train_and_export(run_dir: Path, target: Path, name: str, flags: tuple[str, ...]) -> Path:

@@ -155,8 +155,8 @@ def _work_folder(options: PrepareOptions, sources, report: PrepareReport) -> Pat
 def _file_stamps(path: Path) -> list:
     """(name, size, modification time) of an input file, or of every file in an input folder."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return [[str(p.relative_to(path)) if path.is_dir() else "", p.stat().st_size, p.stat().st_mtime_ns]
-            for p in files]
+    return [[str(p.relative_to(path)) if path.is_dir() else "", st.st_size, st.st_mtime_ns]
+            for p in files for st in (p.stat(),)]
 
 
 def _kept_files(work: Path, names: list[str]) -> Dataset | None:
@@ -299,13 +299,13 @@ def _encode(conversations: Dataset, masker: ChatMasker, options: PrepareOptions,
     journal = work / "encoded.json"
     done: dict[str, list[str]] = json.loads(journal.read_text()) if journal.is_file() else {}
     bounds = list(range(0, len(conversations), options.chunk_size))
-    reused = [i for i in range(len(bounds)) if _kept_files(work, done.get(str(i), [])) is not None]
+    reused = {i: kept for i in range(len(bounds)) if (kept := _kept_files(work, done.get(str(i), []))) is not None}
     if reused:
         tqdm.write(f"resuming: {len(reused):,} of {len(bounds):,} chunks of {options.chunk_size:,} conversations "
                    f"tokenized before, kept in {work}")
     parts = []
     for i, start in enumerate(bounds):
-        kept = _kept_files(work, done.get(str(i), [])) if i in reused else None
+        kept = reused.get(i)
         if kept is None:
             chunk = conversations.select(range(start, min(start + options.chunk_size, len(conversations))))
             kept = _encode_chunk(chunk, masker, options, work / f"encoded-{i:05d}.arrow",
