@@ -60,7 +60,7 @@ from jinja2 import TemplateError
 
 from common.data.chat_template import ChatTemplate
 from common.data.conversations import Message
-from common.data.fast_encode import FastEncoder
+from common.data.fast_encode import FastEncoder, literal_pattern
 from common.errors import PipelineError
 
 __all__ = ["ChatMasker", "Encoded", "MaskError", "Rendering", "template_sha256"]
@@ -143,11 +143,11 @@ class ChatMasker:
         # pass, not a Python loop over every token (which cost a third of the encode).
         self._is_cut = np.zeros(max(self.cut_ids.values(), default=-1) + 1, dtype=bool)
         self._is_cut[list(self.cut_ids.values())] = True
-        self._cut_re = re.compile("(" + ("|".join(map(re.escape, sorted(self.cut_ids, key=len, reverse=True))) or "(?!)")
-                                  + ")")
+        self._cut_re = re.compile("(" + (literal_pattern(self.cut_ids) or "(?!)") + ")")
         self.template = ChatTemplate(tokenizer)
         self._prefix_ids: dict[str, list[int]] = {}
         self._skeletons: dict[str, str] = {}
+        self._marks_calls = True  # tool-call ids and string arguments become sentinels (`_place`)
         try:
             self.header = self._assistant_header()
             self.prompts = self._generation_prompts()
@@ -191,16 +191,26 @@ class ChatMasker:
     def render(self, messages: Sequence[Message], tools: list | None = None) -> Rendering:
         values: list[str] = []
         owners: list[tuple[int, str]] = []  # value index -> (message index, field)
-        real, marked = [], []
+        real, marked, calls_real = [], [], []
+
+        def sentinel(value: str, j: int, name: str) -> str:
+            values.append(value)
+            owners.append((j, name))
+            return SENTINEL.format(len(values) - 1)
+
         for j, m in enumerate(messages):
             message = m.to_template()
-            fields = {k: message[k] for k in ("content", "reasoning_content") if k in message}
             real.append(message)
-            marked.append({**message, **{k: SENTINEL.format(len(values) + n) for n, k in enumerate(fields)}})
-            values += fields.values()
-            owners += [(j, k) for k in fields]
+            marked.append({**message, **{k: sentinel(message[k], j, k)
+                                         for k in ("content", "reasoning_content") if k in message}})
+            calls_real.append(dict(marked[-1]))
+            if message.get("tool_call_id") is not None:
+                marked[-1]["tool_call_id"] = sentinel(message["tool_call_id"], j, "tool_call_id")
+            if "tool_calls" in message:
+                marked[-1]["tool_calls"] = [_marked_call(call, lambda v: sentinel(v, j, "tool_call"))
+                                            for call in message["tool_calls"]]
         text = self._render(real, tools=tools)
-        placed = self._place(marked, tools, text, values)
+        placed = self._place(marked, calls_real, tools, text, values)
         by_message: dict[int, list[int]] = {}
         reasoning_placed = set()
         for i, (key, _, _) in enumerate(placed):
@@ -220,26 +230,38 @@ class ChatMasker:
             calls += len(m.tool_calls)
         return Rendering(text, spans, reasoning, stripped, calls, 0 if self.renders_tool_calls else calls)
 
-    def _place(self, marked: list[dict], tools: list | None, text: str, values: list[str]) -> list[tuple[int, int, int]]:
+    def _place(self, marked: list[dict], calls_real: list[dict], tools: list | None, text: str,
+               values: list[str]) -> list[tuple[int, int, int]]:
         """`_align` of the sentinel rendering. That rendering depends on the conversation's shape
-        only (roles, names, tool calls, tools: no content), and the plain chats of a dataset share
-        a few dozen shapes, so theirs is kept per shape (rendering is most of 01's time); a
-        tool call's arguments make nearly every tool-calling conversation's shape its own, so
-        those are not kept. A kept one that no longer fits (a template that reads the clock) is
-        rendered again."""
-        key = None if any("tool_calls" in m for m in marked) else repr((marked, tools))
+        only (roles, names, tool names, object arguments, tools: no content, and no tool-call id,
+        string arguments or result id, which are sentinels too), and a dataset's conversations
+        share few shapes, so theirs is kept per shape (rendering is most of 01's time). A kept one
+        that no longer fits (a template that reads the clock) is rendered again. A template that
+        renders a tool call's sentinels so that they cannot be aligned (one that parses its
+        arguments) is given the real calls, `calls_real`, from then on: that rendering is the
+        conversation's own and is not kept."""
+        calls = self._marks_calls or marked == calls_real
+        key = repr((marked, tools)) if calls else None
         kept = self._skeletons.get(key) if key else None
         if kept is not None:
             try:
                 return _align(kept, text, values)
             except MaskError:
                 pass
-        skeleton = self._render(marked, tools=tools)
-        if key:
-            if len(self._skeletons) >= SKELETON_CACHE_SIZE:
-                self._skeletons.clear()
-            self._skeletons[key] = skeleton
-        return _align(skeleton, text, values)
+        if calls:
+            skeleton = self._render(marked, tools=tools)
+            try:
+                placed = _align(skeleton, text, values)
+            except MaskError:
+                if marked == calls_real:
+                    raise
+                self._marks_calls = False
+            else:
+                if len(self._skeletons) >= SKELETON_CACHE_SIZE:
+                    self._skeletons.clear()
+                self._skeletons[key] = skeleton
+                return placed
+        return _align(self._render(calls_real, tools=tools), text, values)
 
     # --- template analysis ------------------------------------------------------------------
 
@@ -406,6 +428,15 @@ class _Spans:
     def edges_between(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Whether a span edge lies strictly inside each interval (starts[k], ends[k])."""
         return np.searchsorted(self.edges, ends, side="left") > np.searchsorted(self.edges, starts, side="right")
+
+
+def _marked_call(call: dict, sentinel) -> dict:
+    """A template's tool call with its id and string arguments replaced by `sentinel(value)`
+    (object arguments are kept: a template renders them through `tojson`, not as they are)."""
+    function = call["function"]
+    arguments = function["arguments"]
+    return {**call, "id": sentinel(call["id"]) if isinstance(call.get("id"), str) else call.get("id"),
+            "function": {**function, "arguments": sentinel(arguments) if isinstance(arguments, str) else arguments}}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

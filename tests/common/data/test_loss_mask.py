@@ -255,6 +255,72 @@ def test_conversations_of_one_shape_share_the_sentinel_rendering(tokenizers, kin
     again = masker.encode(other)
     assert (again.input_ids, again.loss_mask, again.rendering) == (fresh.input_ids, fresh.loss_mask, fresh.rendering)
 
+
+def _kimi_variant(kimi_target: Path, old: str, new: str):
+    tok = AutoTokenizer.from_pretrained(kimi_target, trust_remote_code=True)
+    assert old in tok.chat_template
+    tok.chat_template = tok.chat_template.replace(old, new)
+    return tok
+
+
+def _conservative(tok) -> ChatMasker:
+    """A masker that renders tool-calling conversations' sentinels with the real calls (each
+    conversation's own sentinel rendering, kept for none), as 01 did before calls were marked."""
+    masker = ChatMasker(tok)
+    masker._marks_calls = False
+    return masker
+
+
+def _other_call_turns(seed: int) -> tuple[Message, ...]:
+    """TOOL_TURNS' shape with other words, call id, arguments and result."""
+    call = ToolCall(f"functions.get_weather:{seed + 7}", "get_weather", json.dumps({"city": f"Town {seed}", "n": seed}))
+    return (Message("user", f"Weather in town {seed}?"), Message("assistant", "", f"Look it up ({seed}).", tool_calls=(call,)),
+            Message("tool", json.dumps({"temp": seed}), tool_call_id=call.id),
+            Message("assistant", f"{seed} °C there.", "Say it."))
+
+
+def test_tool_calling_conversations_of_one_shape_share_the_sentinel_rendering(kimi_target, tokenizers):
+    """Tool-call ids, string arguments and result ids are sentinels too, so conversations that
+    differ in them share one sentinel rendering, and encode as the conservative path does."""
+    masker, conservative = ChatMasker(tokenizers["kimi"]), _conservative(tokenizers["kimi"])
+    kept = None
+    for seed in range(3):
+        turns = _other_call_turns(seed)
+        shared, alone = masker.encode(turns, TOOLS), conservative.encode(turns, TOOLS)
+        assert (shared.input_ids, shared.loss_mask, shared.rendering) == (alone.input_ids, alone.loss_mask, alone.rendering)
+        assert f"functions.get_weather:{seed + 7}" in shared.rendering.text[slice(*shared.rendering.spans[0])]
+        kept = kept or dict(masker._skeletons)
+        assert masker._skeletons == kept  # one shape: rendered for the first conversation only
+    assert masker._marks_calls
+    assert len(conservative._skeletons) == len(kept) - 1  # each conversation's own: not kept
+
+
+# Kimi template variants that render tool calls otherwise: arguments always through tojson (as
+# Llama 3.1's does), a transformed id, an id written twice, and a branch on the arguments' text
+# (a sentinel takes the other branch, so the sentinel rendering cannot be aligned: the masker goes
+# back to the real calls for the rest of the run).
+CALL_VARIANTS = {
+    "tojson arguments": ("{%- if arguments is string -%}{{ arguments }}{%- else -%}{{ arguments | tojson }}{%- endif -%}",
+                         "{{ arguments | tojson }}"),
+    "upper-case id": ("<|tool_call_begin|>{{ call['id'] }}", "<|tool_call_begin|>{{ call['id'] | upper }}"),
+    "id twice": ("<|tool_call_begin|>{{ call['id'] }}", "<|tool_call_begin|>{{ call['id'] }} {{ call['id'] }}"),
+    "branch on arguments": ("{%- if arguments is string -%}{{ arguments }}",
+                            "{%- if arguments is string and arguments.startswith('{') -%}{{ arguments }}"
+                            "{%- elif arguments is string -%}<|im_end|>{{ arguments }}"),
+}
+
+
+@pytest.mark.parametrize("variant", list(CALL_VARIANTS))
+def test_templates_that_render_tool_calls_otherwise(kimi_target, variant):
+    tok = _kimi_variant(kimi_target, *CALL_VARIANTS[variant])
+    masker, conservative = ChatMasker(tok), _conservative(tok)
+    for turns in (TOOL_TURNS, *map(_other_call_turns, range(3))):
+        shared, alone = masker.encode(turns, TOOLS), conservative.encode(turns, TOOLS)
+        assert (shared.input_ids, shared.loss_mask, shared.rendering) == (alone.input_ids, alone.loss_mask, alone.rendering)
+        assert sum(shared.loss_mask) > 0 and len(shared.rendering.spans) == 2
+    assert masker._marks_calls == (variant != "branch on arguments")
+
+
 # --- long conversations: the fast encode path gives the reference ids ---------------------------
 
 # What users type that looks like the templates' markers; each must tokenize as the base class's
