@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}")
 
     # 4. data: the library's split, dataset, noise, packing sampler and collate
-    train_files, val_files = split_data(data, settings.val_ratio, settings.seed)
+    train_files, val_files = split_data(data, settings)
     pin = device.type == "cuda"
     skips = data.skip_tally()  # damaged files are skipped and counted, up to a share (common/train/sample_files.py)
     train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin, tally=skips)

@@ -1,7 +1,7 @@
 """Benchmark of 04's training recipe: the choices of issue 20, each alone and together, on the same data and budget.
 
     python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
-        [--variants before,teacher-forced,...,upstream-muon] [--no-vllm] [--control] [--table-only]
+        [--variants before,teacher-forced,...,upstream-muon] [--seeds 0 1 2] [--no-vllm] [--control] [--table-only]
     # flat miniature: about 5 minutes per variant on 2 quiet CPU cores (04 3, 05 1, vLLM 1-2), far more when shared;
     # figures in RUN_DIR/bench_recipe.json
 
@@ -14,6 +14,12 @@
    whose RUN_DIR/<variant>/eval.json exists is not run again (delete the folder to redo it).
 3. A table, side by side: 05's measured acceptance length and per-position acceptance rates,
    vLLM's, and 05's simulated acceptance length over the held-out rows (04's validation measure).
+
+`--seeds 0 1 2` trains every variant once per seed (`--seed`: the draft's initialisation, the packing
+order, the noise; the held-out split stays `--split-seed` 0's, so every seed is measured on the same
+prompts) into RUN_DIR/<variant>/ for seed 0 and RUN_DIR/<variant>-seed<S>/ for the others. A row is
+then the mean over its seeds, with each seed's acceptance length beside it (vLLM's, else 05's): one
+seed's figures move by a few hundredths, so variants closer than that are not told apart by one seed.
 
 The `upstream-*` variants train the same draft with speculators 0.9.0's own trainer instead of 04,
 on the same rows, vocabulary, shape and budget, in its own environment (bench/upstream_speculators.py;
@@ -83,15 +89,37 @@ class Result:
     vllm: float | None
     vllm_rates: list[float] | None
     simulated: float
+    by_seed: dict[int, float]  # seed -> its acceptance length (vLLM's, else 05's)
 
     @classmethod
-    def read(cls, label: str, path: Path) -> Result:
+    def read(cls, label: str, path: Path, seed: int) -> Result:
         report = json.loads(path.read_text())
         served = report["drafts"][0].get("vllm")
-        return cls(label, report["measured_acceptance_length"], report["acceptance_rate_per_position"],
-                   served["measured_acceptance_length"] if served else None,
-                   served["acceptance_rate_per_position"] if served else None,
-                   report["simulated_acceptance_length"])
+        result = cls(label, report["measured_acceptance_length"], report["acceptance_rate_per_position"],
+                     served["measured_acceptance_length"] if served else None,
+                     served["acceptance_rate_per_position"] if served else None,
+                     report["simulated_acceptance_length"], {})
+        result.by_seed[seed] = result.vllm if result.vllm is not None else result.measured
+        return result
+
+    @classmethod
+    def mean(cls, results: list[Result]) -> Result:
+        """One row for a variant's seeds: every figure averaged (vLLM's only if every seed has it)."""
+        def avg(values: list) -> float:
+            return sum(values) / len(values)
+
+        def avg_rates(lists: list[list[float]]) -> list[float]:
+            return [avg(column) for column in zip(*lists)]
+
+        served = all(r.vllm is not None for r in results)
+        return cls(results[0].label, avg([r.measured for r in results]), avg_rates([r.rates for r in results]),
+                   avg([r.vllm for r in results]) if served else None,
+                   avg_rates([r.vllm_rates for r in results]) if served else None,
+                   avg([r.simulated for r in results]), {s: a for r in results for s, a in r.by_seed.items()})
+
+
+def folder(variant: str, seed: int) -> str:
+    return variant if seed == 0 else f"{variant}-seed{seed}"
 
 
 def run(script: str, *args: str | Path) -> None:
@@ -114,18 +142,18 @@ def prepare(run_dir: Path, target: Path) -> None:
     run("03_build_vocab_map.py", *common, "--draft-vocab-size", "2048")
 
 
-def train_and_measure(run_dir: Path, target: Path, name: str, flags: tuple[str, ...], max_prompts: int,
-                      vllm: bool) -> Path:
-    out = run_dir / name
+def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: tuple[str, ...],
+                      max_prompts: int, vllm: bool) -> Path:
+    out = run_dir / folder(name, seed)
     result = out / "eval.json"
     if result.is_file():
         return result
     if name in upstream.VARIANTS:
-        upstream.train_and_export(run_dir, target, name, flags)
+        upstream.train_and_export(run_dir, target, out, flags, seed)
     else:
-        print(f"{name}: 04 {' '.join(flags) or '(defaults)'}", flush=True)
+        print(f"{out.name}: 04 {' '.join(flags) or '(defaults)'} --seed {seed}", flush=True)
         run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", TINY_CONFIG, "--output",
-            out, *flags)
+            out, *flags, "--seed", str(seed))
     engine = ["--engine", "vllm"] if vllm else []
     run("05_evaluate.py", "--run-dir", run_dir, *target_args(target), "--draft", out / "draft", "--no-baselines",
         "--max-prompts", str(max_prompts), *engine, "--json", out / "eval.partial.json")
@@ -138,11 +166,12 @@ def table(results: list[Result]) -> str:
         return " / ".join(f"{v:.3f}" for v in values) if values else "-"
 
     rows = [f"{'variant':<42} {'05 AL':>6}  {'05 per position':<21} {'vLLM AL':>7}  {'vLLM per position':<21} "
-            f"{'val sim. AL':>11}"]
+            f"{'val sim. AL':>11}  AL by seed"]
     for r in results:
         served = f"{r.vllm:.3f}" if r.vllm is not None else "-"
+        seeds = ", ".join(f"{s}: {a:.3f}" for s, a in sorted(r.by_seed.items()))
         rows.append(f"{r.label:<42} {r.measured:>6.3f}  {rates(r.rates):<21} {served:>7}  {rates(r.vllm_rates):<21} "
-                    f"{r.simulated:>11.3f}")
+                    f"{r.simulated:>11.3f}  {seeds}")
     return "\n".join(rows)
 
 
@@ -153,6 +182,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-prompts", type=int, default=58, help="held-out prompts 05 decodes")
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS),
                         help=f"comma-separated, of {', '.join(ALL_VARIANTS)} (upstream-*: with .venv-speculators/)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="04's --seed of each run of a variant (a row is their mean; the split stays fixed)")
     parser.add_argument("--no-vllm", action="store_true", help="05's own decoder only")
     parser.add_argument("--control", action="store_true", help="also the defaults with a 2%% lower noise")
     parser.add_argument("--table-only", action="store_true", help="print the table of the variants already run")
@@ -174,12 +205,17 @@ def main() -> int:
         prepare(args.run_dir, target)
     results = []
     for name, (label, flags) in chosen.items():
-        path = args.run_dir / name / "eval.json"
-        if not args.table_only:
-            path = train_and_measure(args.run_dir, target, name, flags, args.max_prompts, vllm)
-        if path.is_file():
-            results.append(Result.read(label, path))
-    print(f"target {target}, {args.run_dir}; k = 3, greedy, {args.max_prompts} held-out prompts, 64 new tokens")
+        runs = []
+        for seed in args.seeds:
+            path = args.run_dir / folder(name, seed) / "eval.json"
+            if not args.table_only:
+                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm)
+            if path.is_file():
+                runs.append(Result.read(label, path, seed))
+        if runs:
+            results.append(Result.mean(runs))
+    print(f"target {target}, {args.run_dir}; k = 3, greedy, {args.max_prompts} held-out prompts, 64 new tokens; "
+          f"mean over seeds {' '.join(map(str, args.seeds))}")
     print(table(results))
     write_json(args.run_dir / "bench_recipe.json", {"target": str(target), "results": [vars(r) for r in results]})
     return 0

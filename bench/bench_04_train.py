@@ -75,7 +75,7 @@ def run(run_dir: Path = DEFAULT_RUN, samples: int = 200, repeats: int = 3, total
     info = load_target_info(ensure_target("kimi"), trust_remote_code=True)
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
     data = load_hidden_states(run_dir / "hidden_states")
-    train_files, _val = split_data(data, settings.val_ratio, settings.seed)
+    train_files, _val = split_data(data, settings)
     config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
 
     def make_model() -> torch.nn.Module:

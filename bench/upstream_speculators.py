@@ -94,7 +94,7 @@ def split(run_dir: Path) -> Split:
     """04's split of the run's hidden states under configs/draft_tiny.json's settings."""
     settings = tiny_settings()
     data = load_hidden_states(run_dir / "hidden_states")
-    train, val = split_data(data, settings.val_ratio, settings.seed)
+    train, val = split_data(data, settings)
     return Split(data, train, val, settings)
 
 
@@ -142,8 +142,9 @@ def convert_data(run_dir: Path, target: Path) -> Path:
     return out
 
 
-def train_flags(data_dir: Path, target: Path, out: Path) -> list[str]:
-    """04's budget (configs/draft_tiny.json) in upstream's flags."""
+def train_flags(data_dir: Path, target: Path, out: Path, seed: int) -> list[str]:
+    """04's budget (configs/draft_tiny.json) in upstream's flags; `seed` is its initialisation's and
+    packing order's (the split is fixed by the conversion)."""
     conversion = json.loads((data_dir / CONVERSION).read_text())
     settings = tiny_settings()
     return ["--verifier-name-or-path", str(target), "--data-path", str(data_dir),
@@ -153,7 +154,7 @@ def train_flags(data_dir: Path, target: Path, out: Path) -> list[str]:
             "--train-data-ratio", str(conversion["train_data_ratio"]), "--on-missing", "raise",
             "--epochs", str(settings.epochs), "--lr", str(settings.lr), "--ttt-steps", str(settings.ttt_steps),
             "--total-seq-len", str(settings.total_seq_len), "--scheduler-type", settings.scheduler,
-            "--seed", str(settings.seed), "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
+            "--seed", str(seed), "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
             *CPU_FLAGS, *ARCHITECTURE_FLAGS]
 
 
@@ -162,7 +163,7 @@ def last_checkpoint(out: Path) -> Path | None:
     return out / "checkpoints" / str(epochs[-1]) if epochs else None
 
 
-def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...]) -> Path:
+def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int) -> Path:
     """Upstream's trainer on CPU; it resumes from its own checkpoints when run again."""
     done = last_checkpoint(out)
     if done is not None and int(done.name) == tiny_settings().epochs - 1:
@@ -171,7 +172,7 @@ def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...]) -> Pa
     log = out / "upstream_train.log"
     with log.open("w") as f:
         proc = subprocess.run([str(UPSTREAM_PYTHON), str(REPO_ROOT / "bench" / "upstream_train.py"),
-                               *train_flags(data_dir, target, out), *flags], cwd=out, stdout=f,
+                               *train_flags(data_dir, target, out, seed), *flags], cwd=out, stdout=f,
                               stderr=subprocess.STDOUT, env=os.environ | {"TQDM_DISABLE": "1"}, check=False)
     done = last_checkpoint(out)
     if proc.returncode != 0 or done is None:
@@ -201,9 +202,8 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path) -> Path:
                              "upstream_checkpoint.json": {"checkpoint": str(checkpoint), "config": saved}})
 
 
-def train_and_export(run_dir: Path, target: Path, name: str, flags: tuple[str, ...]) -> Path:
-    """RUN_DIR/<name>/draft, trained by upstream (the data converted once for all variants)."""
-    out = run_dir / name
-    print(f"{name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}", flush=True)
-    checkpoint = train(convert_data(run_dir, target), target, out, flags)
+def train_and_export(run_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int) -> Path:
+    """OUT/draft, trained by upstream with `seed` (the data converted once for all variants)."""
+    print(f"{out.name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}, seed {seed}", flush=True)
+    checkpoint = train(convert_data(run_dir, target), target, out, flags, seed)
     return export(run_dir, target, checkpoint, out)

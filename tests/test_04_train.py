@@ -132,7 +132,7 @@ def validation_data(run: TrainedRun) -> ValData:
     """The run's own validation split and loader (same seed, same files)."""
     settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {"total_seq_len": SEQ, "noise_std": 0.0})
     data = load_hidden_states(run.run / "hidden_states")
-    train, val = split_data(data, settings.val_ratio, settings.seed)
+    train, val = split_data(data, settings)
     return ValData(settings, make_loader(data, val, settings, 1, 0, train=False, pin_memory=False),
                    make_loader(data, train, settings, 1, 0, train=False, pin_memory=False))
 

@@ -143,12 +143,12 @@ def check_data_fits(data: HiddenStateData, shape: DraftShape, config_path: Path,
                             f"EAGLE-3 needs {NUM_STATES - 1}")
 
 
-def split_data(data: HiddenStateData, val_ratio: float, seed: int) -> tuple[list[Path], list[Path]]:
-    """The library's `split_files` (a seeded shuffle of the folder's files)."""
-    train, val = split_files(str(data.folder), ratio=1 - val_ratio, seed=seed)
+def split_data(data: HiddenStateData, settings: TrainSettings) -> tuple[list[Path], list[Path]]:
+    """The library's `split_files` (a shuffle of the folder's files, seeded by `--split-seed`)."""
+    train, val = split_files(str(data.folder), ratio=1 - settings.val_ratio, seed=settings.split_seed)
     if not train:
         raise PipelineError(f"hidden states {data.folder}: {len(val)} samples leave none for training "
-                            f"at --val-ratio {val_ratio}")
+                            f"at --val-ratio {settings.val_ratio}")
     return train, val
 
 
@@ -189,7 +189,8 @@ def split_record(data: HiddenStateData, train: list[Path], val: list[Path], sett
     return {"prepared": os.path.relpath(data.config.prepared, draft_dir),
             "prepared_fingerprint": data.config.prepared_fingerprint,
             "hidden_states": os.path.relpath(data.folder.resolve(), Path(draft_dir).resolve()),
-            "val_ratio": settings.val_ratio, "seed": settings.seed, "train_samples": len(train),
+            "val_ratio": settings.val_ratio, "split_seed": settings.split_seed, "seed": settings.seed,
+            "train_samples": len(train),
             "validation_rows": sorted(sample_index(f) for f in val)}
 
 

@@ -51,7 +51,9 @@ class TrainSettings:
     scheduler: str = _setting("linear", "learning-rate schedule: linear, cosine or none")
     warmup_steps: int | None = _setting(None, "warm-up steps (default: 1%% of all steps, the library's)")
     num_workers: int = _setting(0, "data-loader worker processes")
-    seed: int = _setting(0, "seed of the split, the packing order and the draft's initialisation")
+    seed: int = _setting(0, "seed of the packing order, the noise and the draft's initialisation")
+    split_seed: int = _setting(0, "seed of the held-out split, apart from --seed so that runs of other seeds are "
+                                  "validated (and 05 measures them) on the same rows")
     save_every: int = _setting(0, "optimizer steps between step checkpoints in checkpoints/steps/ (the last 2 are "
                                   "kept; 0: at the end of each epoch only)")
 

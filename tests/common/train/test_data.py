@@ -1,4 +1,4 @@
-"""common/train/data.py: the hidden-state folder checks and the library's loader."""
+"""common/train/data.py: the hidden-state folder checks, the split and the library's loader."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from conftest import write_hidden_states
 
 from common.errors import PipelineError
-from common.train.data import load_hidden_states
+from common.train.data import load_hidden_states, split_data
+from common.train.settings import TrainSettings
 
 
 def test_fp8_folder_with_bf16_files_is_refused(tmp_path, kimi_target):
@@ -17,3 +18,14 @@ def test_fp8_folder_with_bf16_files_is_refused(tmp_path, kimi_target):
     (data_dir / "data_config.json").write_text(json.dumps(config | {"storage": "fp8", "dtype": "float8_e4m3fn"}))
     with pytest.raises(PipelineError, match="expected 4 float8_e4m3fn states of hidden size 64 with their scales"):
         load_hidden_states(data_dir)
+
+
+def test_the_split_follows_split_seed_not_seed(tmp_path, flat_target):
+    """Runs of other `--seed`s hold out the same rows (so their drafts are measured on the same
+    prompts); `--split-seed` draws another split."""
+    data = load_hidden_states(write_hidden_states(tmp_path / "hs", flat_target, num_samples=20))
+    train, val = split_data(data, TrainSettings(val_ratio=0.25))
+    assert len(val) == 5 and sorted(train + val) == sorted(data.files)
+    assert split_data(data, TrainSettings(val_ratio=0.25, seed=1)) == (train, val)
+    other_train, other_val = split_data(data, TrainSettings(val_ratio=0.25, split_seed=1))
+    assert set(other_val) != set(val) and sorted(other_train + other_val) == sorted(data.files)
