@@ -1,13 +1,14 @@
 """Benchmark of 04's training recipe: the choices of issue 20, each alone and together, on the same data and budget.
 
     python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
-        [--variants before,teacher-forced,...,upstream-muon] [--seeds 0 1 2] [--no-vllm] [--control] [--table-only]
+        [--variants before,teacher-forced,...,upstream-muon] [--seeds 0 1 2] [--lr RATE] [--no-vllm] [--control]
+        [--table-only]
     # flat miniature: about 5 minutes per variant on 2 quiet CPU cores (04 3, 05 1, vLLM 1-2), far more when shared;
     # figures in RUN_DIR/bench_recipe.json
 
 1. 01 -> 02 -> 03 once into RUN_DIR (the demo conversations, a 2048-token draft vocabulary), unless
    RUN_DIR/vocab already exists.
-2. Per variant, 04 into RUN_DIR/<variant>/ with configs/draft_tiny.json's budget (3 epochs, lr 1.2e-2,
+2. Per variant, 04 into RUN_DIR/<variant>/ with configs/draft_tiny.json's budget (3 epochs, lr 1.8e-2,
    3 TTT steps, linear schedule, 1% warm-up) and the variant's flags, then 05 on its exported draft:
    the held-out first turns (`--max-prompts`, 04's 58 validation rows), 64 new tokens, k = 3, greedy,
    with vLLM too (`--engine vllm`) when .venv-vllm exists and `--no-vllm` is not given. A variant
@@ -20,6 +21,8 @@ order, the noise; the held-out split stays `--split-seed` 0's, so every seed is 
 prompts) into RUN_DIR/<variant>/ for seed 0 and RUN_DIR/<variant>-seed<S>/ for the others. A row is
 then the mean over its seeds, with each seed's acceptance length beside it (vLLM's, else 05's): one
 seed's figures move by a few hundredths, so variants closer than that are not told apart by one seed.
+`--lr RATE` replaces the config's rate in every variant that does not set its own, the upstream rows
+too: a rate tried on both trainers (in a run folder of its own, as every variant's folder is reused).
 
 The `upstream-*` variants train the same draft with speculators 0.9.0's own trainer instead of 04,
 on the same rows, vocabulary, shape and budget, in its own environment (bench/upstream_speculators.py;
@@ -29,7 +32,9 @@ the same way: `upstream-muon` (its defaults: Muon, draft lm_head frozen), `upstr
 
 Variants: `before` is 04 before issue 20 (AdamW, TTT steps fed the draft's own guesses, PyTorch's
 initialisation, draft lm_head trained, lr 6e-3); each `+ ...` row changes one thing from it (`+ lr
-1.2e-2`: the config's rate now); `defaults` is 04 with no recipe flag; `defaults, frozen lm_head` adds upstream's frozen head to it. `--control`
+1.8e-2`: the config's rate now); `defaults` is 04 with no recipe flag; `defaults, frozen lm_head` and
+`defaults, noise off` and `defaults, Muon weight decay 0.1` change it as upstream does (its head frozen;
+no noise augmentation; its Muon weight decay). `--control`
 adds the defaults with a 2% lower training noise, a nudge that should not matter: how far it moves
 the figures is a lower bound of the noise (another initialisation and packing order moves them more:
 README, 04's training recipe).
@@ -74,8 +79,10 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "muon": ("+ Muon", changed("--optimizer", "muon")),
     "frozen-head": ("+ draft lm_head frozen", changed("--freeze-draft-lm-head")),
     "normal-init": ("+ normal init (0.02)", changed("--init", "normal")),
-    "lr": ("+ lr 1.2e-2", changed("--lr", "0.012")),
+    "lr": ("+ lr 1.8e-2", changed("--lr", "0.018")),
     "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
+    "defaults-no-noise": ("defaults, noise off (as upstream)", ("--noise-std", "0")),
+    "defaults-muon-wd": ("defaults, Muon weight decay 0.1 (upstream's)", ("--muon-weight-decay", "0.1")),
 }
 CONTROL = ("control: defaults, noise 0.049", ("--noise-std", "0.049"))
 ALL_VARIANTS = VARIANTS | upstream.VARIANTS  # then speculators 0.9.0's own trainer (bench/upstream_speculators.py)
@@ -143,14 +150,16 @@ def prepare(run_dir: Path, target: Path) -> None:
 
 
 def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: tuple[str, ...],
-                      max_prompts: int, vllm: bool) -> Path:
+                      max_prompts: int, vllm: bool, lr: float | None) -> Path:
     out = run_dir / folder(name, seed)
     result = out / "eval.json"
     if result.is_file():
         return result
     if name in upstream.VARIANTS:
-        upstream.train_and_export(run_dir, target, out, flags, seed)
+        upstream.train_and_export(run_dir, target, out, flags, seed, lr)
     else:
+        if lr is not None and "--lr" not in flags:
+            flags = (*flags, "--lr", str(lr))
         print(f"{out.name}: 04 {' '.join(flags) or '(defaults)'} --seed {seed}", flush=True)
         run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", TINY_CONFIG, "--output",
             out, *flags, "--seed", str(seed))
@@ -184,6 +193,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(ALL_VARIANTS)} (upstream-*: with .venv-speculators/)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="04's --seed of each run of a variant (a row is their mean; the split stays fixed)")
+    parser.add_argument("--lr", type=float, help="the rate of every variant that does not set its own (04's and "
+                                                 "upstream's; default: configs/draft_tiny.json's)")
     parser.add_argument("--no-vllm", action="store_true", help="05's own decoder only")
     parser.add_argument("--control", action="store_true", help="also the defaults with a 2%% lower noise")
     parser.add_argument("--table-only", action="store_true", help="print the table of the variants already run")
@@ -209,7 +220,7 @@ def main() -> int:
         for seed in args.seeds:
             path = args.run_dir / folder(name, seed) / "eval.json"
             if not args.table_only:
-                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm)
+                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm, args.lr)
             if path.is_file():
                 runs.append(Result.read(label, path, seed))
         if runs:

@@ -142,9 +142,9 @@ def convert_data(run_dir: Path, target: Path) -> Path:
     return out
 
 
-def train_flags(data_dir: Path, target: Path, out: Path, seed: int) -> list[str]:
-    """04's budget (configs/draft_tiny.json) in upstream's flags; `seed` is its initialisation's and
-    packing order's (the split is fixed by the conversion)."""
+def train_flags(data_dir: Path, target: Path, out: Path, seed: int, lr: float | None) -> list[str]:
+    """04's budget (configs/draft_tiny.json; `lr` in place of its rate) in upstream's flags; `seed`
+    is its initialisation's and packing order's (the split is fixed by the conversion)."""
     conversion = json.loads((data_dir / CONVERSION).read_text())
     settings = tiny_settings()
     return ["--verifier-name-or-path", str(target), "--data-path", str(data_dir),
@@ -152,7 +152,7 @@ def train_flags(data_dir: Path, target: Path, out: Path, seed: int) -> list[str]
             "--target-layer-ids", *map(str, conversion["layer_ids"]),
             "--d2t-path", str(data_dir / "d2t.npy"), "--t2d-path", str(data_dir / "t2d.npy"),
             "--train-data-ratio", str(conversion["train_data_ratio"]), "--on-missing", "raise",
-            "--epochs", str(settings.epochs), "--lr", str(settings.lr), "--ttt-steps", str(settings.ttt_steps),
+            "--epochs", str(settings.epochs), "--lr", str(lr or settings.lr), "--ttt-steps", str(settings.ttt_steps),
             "--total-seq-len", str(settings.total_seq_len), "--scheduler-type", settings.scheduler,
             "--seed", str(seed), "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
             *CPU_FLAGS, *ARCHITECTURE_FLAGS]
@@ -163,7 +163,7 @@ def last_checkpoint(out: Path) -> Path | None:
     return out / "checkpoints" / str(epochs[-1]) if epochs else None
 
 
-def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int) -> Path:
+def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int, lr: float | None) -> Path:
     """Upstream's trainer on CPU; it resumes from its own checkpoints when run again."""
     done = last_checkpoint(out)
     if done is not None and int(done.name) == tiny_settings().epochs - 1:
@@ -172,7 +172,7 @@ def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed:
     log = out / "upstream_train.log"
     with log.open("w") as f:
         proc = subprocess.run([str(UPSTREAM_PYTHON), str(REPO_ROOT / "bench" / "upstream_train.py"),
-                               *train_flags(data_dir, target, out, seed), *flags], cwd=out, stdout=f,
+                               *train_flags(data_dir, target, out, seed, lr), *flags], cwd=out, stdout=f,
                               stderr=subprocess.STDOUT, env=os.environ | {"TQDM_DISABLE": "1"}, check=False)
     done = last_checkpoint(out)
     if proc.returncode != 0 or done is None:
@@ -202,8 +202,11 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path) -> Path:
                              "upstream_checkpoint.json": {"checkpoint": str(checkpoint), "config": saved}})
 
 
-def train_and_export(run_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int) -> Path:
-    """OUT/draft, trained by upstream with `seed` (the data converted once for all variants)."""
-    print(f"{out.name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}, seed {seed}", flush=True)
-    checkpoint = train(convert_data(run_dir, target), target, out, flags, seed)
+def train_and_export(run_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int,
+                     lr: float | None = None) -> Path:
+    """OUT/draft, trained by upstream with `seed` (and `lr`, default the config's; the data
+    converted once for all variants)."""
+    print(f"{out.name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}, seed {seed}, lr {lr or 'of the config'}",
+          flush=True)
+    checkpoint = train(convert_data(run_dir, target), target, out, flags, seed, lr)
     return export(run_dir, target, checkpoint, out)

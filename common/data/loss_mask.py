@@ -20,13 +20,13 @@ No offset mapping is needed (Kimi's tokenizer is a slow tiktoken one without the
 is specific to one model; everything is read off the template's own output:
 
 1. Spans in the text. The conversation is rendered twice: as is, and with every content and
-   reasoning string replaced by a unique sentinel. The sentinel rendering splits into the
-   template's literal text and the places of each string; walking both renderings side by side
-   locates every string in the real text (templates may trim it). Rendering prefixes
-   `messages[:i]` would not work: Kimi renders an assistant turn differently (with or without
-   its reasoning) depending on whether a user message follows it. The sentinel rendering holds
-   no content, so for conversations without tool calls it is kept per shape (roles, names,
-   tools): a dataset's plain chats are then rendered about once each.
+   reasoning string, tool-call id, string arguments and result id replaced by a unique sentinel.
+   The sentinel rendering splits into the template's literal text and the places of each string;
+   walking both renderings side by side locates every string in the real text (templates may
+   trim it). Rendering prefixes `messages[:i]` would not work: Kimi renders an assistant turn
+   differently (with or without its reasoning) depending on whether a user message follows it.
+   The sentinel rendering holds no content, so it is kept per shape (roles, names, tool names,
+   tools): a dataset's conversations of one shape are then rendered about once each.
 2. The supervised span of an assistant turn starts after the last assistant header in the
    literal text before its first string, extended over the longest generation prompt (thinking
    or instant mode, read off the template) the text there starts with, and ends after the first

@@ -24,7 +24,7 @@ from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_wi
 
 from common.train.settings import TrainSettings
 
-WEIGHT_DECAY = 0.01  # AdamW's default in torch, the library's; Muon takes the same
+WEIGHT_DECAY = 0.01  # AdamW's default in torch, the library's; Muon's by default (`--muon-weight-decay`)
 MUON_MODULES = ("layers.", "fc.")  # the draft's own matrices; embed_tokens and the lm_heads come from the target
 
 
@@ -39,8 +39,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     (each member's groups are list items of this one's, the same dicts) and one state."""
 
     def __init__(self, muon_params: list[tuple[str, torch.nn.Parameter]],
-                 adamw_params: list[tuple[str, torch.nn.Parameter]], lr: float, muon_lr: float) -> None:
-        self.muon = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=WEIGHT_DECAY,
+                 adamw_params: list[tuple[str, torch.nn.Parameter]], lr: float, muon_lr: float,
+                 muon_weight_decay: float = WEIGHT_DECAY) -> None:
+        self.muon = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=muon_weight_decay,
                                      adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(adamw_params, lr=lr, weight_decay=WEIGHT_DECAY)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], defaults={})
@@ -71,7 +72,7 @@ def build_optimizer(model: torch.nn.Module, settings: TrainSettings) -> torch.op
     matrices = muon_parameters(model)
     chosen = {id(p) for _, p in matrices}
     rest = [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) not in chosen]
-    return MuonWithAdamW(matrices, rest, settings.lr, settings.muon_lr or settings.lr)
+    return MuonWithAdamW(matrices, rest, settings.lr, settings.muon_lr or settings.lr, settings.muon_weight_decay)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, settings: TrainSettings,

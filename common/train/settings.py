@@ -40,6 +40,8 @@ class TrainSettings:
                                       "on norms and lm_head, as upstream speculators) or 'adamw' (AdamW on all)")
     muon_lr: float | None = _setting(None, "peak learning rate of the Muon matrices (default: --lr; Muon's step is "
                                            "scaled to AdamW's RMS, so one rate fits both)")
+    muon_weight_decay: float = _setting(0.01, "decoupled weight decay of the Muon matrices (upstream speculators: 0.1; "
+                                              "AdamW's stays the library's 0.01)")
     freeze_draft_lm_head: bool = _setting(False, "keep the draft's lm_head at the target's (masked) lm_head, "
                                                  "as upstream speculators does")
     init: str = _setting("normal", "initial weights of the draft layers and fc: 'normal' (N(0, 0.02), transformers' "
@@ -82,6 +84,7 @@ class TrainSettings:
         rules = [(f"--epochs {self.epochs}", self.epochs >= 1, "at least 1"),
                  (f"--lr {self.lr}", self.lr > 0, "positive"),
                  (f"--muon-lr {self.muon_lr}", self.muon_lr is None or self.muon_lr > 0, "positive"),
+                 (f"--muon-weight-decay {self.muon_weight_decay}", self.muon_weight_decay >= 0, "0 or more"),
                  (f"--ttt-steps {self.ttt_steps}", self.ttt_steps >= 1, "at least 1"),
                  (f"--ttt-step-loss-decay {self.ttt_step_loss_decay}", self.ttt_step_loss_decay > 0, "positive"),
                  (f"--ttt-inputs {self.ttt_inputs}", self.ttt_inputs in TTT_INPUTS, f"one of {', '.join(TTT_INPUTS)}"),
