@@ -2,7 +2,7 @@
 own encode of the same rendered texts, for the Kimi-style and the flat miniature target.
 
     python bench/bench_01_prepare.py [--conversations 300] [--turns 3 10] [--tool-share 0.25]
-                                     [--repeats 3] [--num-proc 1 2] [--input FILE] [--max-len 2048]
+                                     [--repeats 5] [--num-proc 1 2] [--input FILE] [--max-len 2048]
 
 Conversations: `--input` (a JSONL file), or generated from the shipped demo files' text (see
 `generate`: long messages, as in ShareGPT-style data, and a `--tool-share` of tool-call
@@ -10,11 +10,12 @@ exchanges). Per target, `--num-proc` N and repeat it times
 - 01: `prepare()` in this process on all conversations, minus `prepare()` on the first N alone
   (start-up cancelled: loading the tokenizer, building the masker, starting the workers), over the
   tokens of the rest (their full renderings, before the `--max-len` cut);
-- the tokenizer's own encode, one text at a time in this process, of the same rendered texts:
+- the tokenizer's own encode, one text at a time in this process, of the same rendered texts, just
+  before and just after the stage's two runs (their mean):
   Kimi's `tokenizer.encode(text)` (tiktoken, special tokens allowed), the fast tokenizer's
   `backend_tokenizer.encode(text, add_special_tokens=False)`;
 and prints conversations/s and tokens/s of both and the ratio of 01's tokens/s over the encode's,
-per run and their median, by the wall clock and, for one process, by its CPU time (what the run
+per repeat and their median, by the wall clock and, for one process, by its CPU time (what the run
 itself cost on a shared machine; the goal, >= 0.3, is checked on it).
 """
 
@@ -100,6 +101,13 @@ def own_encode(tokenizer):
     return tokenizer.encode
 
 
+def time_encode(encode, texts: list[str]) -> tuple[float, float]:
+    start = clocks()
+    for t in texts:
+        encode(t)
+    return since(start)
+
+
 def clocks() -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds): on a shared machine the CPU time of a one-process
     run is what the run itself cost, the wall time also what the neighbours took."""
@@ -133,12 +141,14 @@ def bench_target(kind: str, target: Path, inputs: Path, work: Path, args) -> dic
         head.write_text("\n".join(lines[:num_proc]) + "\n", encoding="utf-8")
         runs = []
         for _ in range(args.repeats):
+            before = time_encode(encode, texts[num_proc:])
             startup = time_prepare(target, head, work, args.max_len, num_proc)
             full = time_prepare(target, inputs, work, args.max_len, num_proc)
-            start = clocks()
-            for t in texts[num_proc:]:
-                encode(t)
-            runs.append(((full[0] - startup[0], full[1] - startup[1]), since(start)))
+            after = time_encode(encode, texts[num_proc:])
+            # The encode on both sides of the stage: a neighbour's load that comes or goes in between
+            # weighs on both figures of the ratio.
+            runs.append(((full[0] - startup[0], full[1] - startup[1]),
+                         ((before[0] + after[0]) / 2, (before[1] + after[1]) / 2)))
         rows[num_proc] = (len(texts) - num_proc, sum(lengths[num_proc:]), runs)
     messages = sum(len(to_conversation(i, r).messages) for i, r in iter_records(resolve_inputs([inputs])))
     return {"texts": len(texts), "tokens": sum(lengths), "tokens_per_message": sum(lengths) / messages, "runs": rows}
@@ -164,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=300)
     parser.add_argument("--turns", type=int, nargs=2, default=(3, 10), metavar=("MIN", "MAX"))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--tool-share", type=float, default=0.25,

@@ -117,9 +117,17 @@ class Rendering:
 
 @dataclass(frozen=True)
 class Encoded:
-    input_ids: list[int]
-    loss_mask: list[int]  # 1 on supervised tokens
+    ids: np.ndarray  # int32 token ids
+    mask: np.ndarray  # int8, 1 on supervised tokens
     rendering: Rendering | None = None
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.ids.tolist()
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return self.mask.tolist()
 
 
 def template_sha256(tokenizer) -> str:
@@ -180,7 +188,8 @@ class ChatMasker:
         """Token ids of the rendered conversation and their loss mask; MaskError if unusable."""
         rendering = self.render(messages, tools)
         ids = self.encoder(rendering.text)
-        return Encoded(ids, self._mask(rendering.text, ids, rendering.spans), rendering)
+        array = np.fromiter(ids, np.int32, len(ids))
+        return Encoded(array, self._mask(rendering.text, ids, array, rendering.spans), rendering)
 
     def render_with_spans(self, messages: Sequence[Message], tools: list | None = None
                           ) -> tuple[str, list[tuple[int, int]]]:
@@ -343,9 +352,9 @@ class ChatMasker:
 
     # --- tokens -----------------------------------------------------------------------------
 
-    def _mask(self, text: str, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    def _mask(self, text: str, ids: list[int], array: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+        """The mask of `ids` (and the same as `array`), int8."""
         parts = self._cut_re.split(text)  # run, special token, run, ..., run
-        array = np.asarray(ids, dtype=np.int64)
         known = array < len(self._is_cut)  # an id past the table is no cut id
         is_cut = np.zeros(len(array), dtype=bool)
         is_cut[known] = self._is_cut[array[known]]
@@ -368,7 +377,7 @@ class ChatMasker:
             first, stop = int(firsts[k]), int(stops[k])
             mask[first:stop] = 0
             self._mark_run(text, int(chars[k]), int(ends[k]), ids, first, stop, inside, mask)
-        return mask.tolist()
+        return mask
 
     def _mark_run(self, text: str, start: int, end: int, ids: list[int], first: int, stop: int,
                   inside: _Spans, mask: np.ndarray) -> None:

@@ -269,24 +269,24 @@ def _encode_batch(batch: dict, masker: ChatMasker, max_len: int) -> dict:
     """Rows of ENCODED_FEATURES; the ids and masks as numpy arrays, which Arrow takes whole (from
     Python lists it converts one int at a time, a tenth of the stage's time)."""
     out = {name: [] for name in ENCODED_FEATURES}
+    empty_ids, empty_mask = np.zeros(0, np.int32), np.zeros(0, np.int8)
     for sample_id, conversation in zip(batch["sample_id"], batch["conversation"]):
-        ids, mask, truncated, reason, detail, counts = [], [], False, "", "", dict.fromkeys(TURN_COUNTS, 0)
+        ids, mask, truncated, reason, detail, counts = empty_ids, empty_mask, False, "", "", dict.fromkeys(TURN_COUNTS, 0)
         try:
             encoded = masker.encode(*_unrow(conversation))
-            ids, mask, r = encoded.input_ids, encoded.loss_mask, encoded.rendering
+            ids, mask, r = encoded.ids, encoded.mask, encoded.rendering
             counts = {"supervised_turns": len(r.spans), "reasoning_turns": r.reasoning_turns,
                       "stripped_turns": r.stripped_turns, "tool_calls": r.tool_calls,
                       "tool_calls_not_rendered": r.tool_calls_not_rendered}
-            if not any(mask):
+            if not mask.any():
                 raise MaskError(NO_SUPERVISED_TOKENS, "the template renders no assistant turn")
             if len(ids) > max_len:
                 truncated, ids, mask = True, ids[:max_len], mask[:max_len]
-                if not any(mask):
+                if not mask.any():
                     raise MaskError(NO_SUPERVISED_AFTER_TRUNCATION,
                                     f"no assistant token in the first {max_len} tokens")
         except MaskError as e:
-            ids, mask, reason, detail = [], [], e.reason, e.detail
-        ids, mask = np.fromiter(ids, np.int32, len(ids)), np.fromiter(mask, np.int8, len(mask))
+            ids, mask, reason, detail = empty_ids, empty_mask, e.reason, e.detail
         row = {"sample_id": sample_id, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
                "num_supervised": int(mask.sum(dtype=np.int64)), "truncated": truncated, "drop_reason": reason,
                "drop_detail": detail, **counts}
