@@ -28,7 +28,7 @@ import json
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -181,8 +181,9 @@ def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed:
     return done
 
 
-def export(run_dir: Path, target: Path, checkpoint: Path, out: Path) -> Path:
-    """The checkpoint as a 04 draft folder (its config as 04 writes it for this shape)."""
+def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int) -> Path:
+    """The checkpoint as a 04 draft folder (its config as 04 writes it for this shape; its split
+    record names the run's `seed`)."""
     saved = json.loads((checkpoint / "config.json").read_text())
     extra = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if saved.get(k)]
     if extra:
@@ -198,7 +199,7 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out) as tmp:  # what export_draft reads: a folder with model.safetensors
         save_file(state, str(Path(tmp) / WEIGHTS_FILE), metadata={"format": "pt"})
         return export_draft(Path(tmp), config, out / "draft",
-                            {SPLIT_FILE: split_record(s.data, s.train, s.val, s.settings, out / "draft"),
+                            {SPLIT_FILE: split_record(s.data, s.train, s.val, replace(s.settings, seed=seed), out / "draft"),
                              "upstream_checkpoint.json": {"checkpoint": str(checkpoint), "config": saved}})
 
 
@@ -209,4 +210,4 @@ def train_and_export(run_dir: Path, target: Path, out: Path, flags: tuple[str, .
     print(f"{out.name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}, seed {seed}, lr {lr or 'of the config'}",
           flush=True)
     checkpoint = train(convert_data(run_dir, target), target, out, flags, seed, lr)
-    return export(run_dir, target, checkpoint, out)
+    return export(run_dir, target, checkpoint, out, seed)

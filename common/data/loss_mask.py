@@ -115,11 +115,15 @@ class Rendering:
     tool_calls_not_rendered: int = 0  # ... that the template does not render
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Encoded:
     ids: np.ndarray  # int32 token ids
     mask: np.ndarray  # int8, 1 on supervised tokens
     rendering: Rendering | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Encoded) and np.array_equal(self.ids, other.ids)
+                and np.array_equal(self.mask, other.mask) and self.rendering == other.rendering)
 
     @property
     def input_ids(self) -> list[int]:
@@ -187,9 +191,9 @@ class ChatMasker:
     def encode(self, messages: Sequence[Message], tools: list | None = None) -> Encoded:
         """Token ids of the rendered conversation and their loss mask; MaskError if unusable."""
         rendering = self.render(messages, tools)
-        ids = self.encoder(rendering.text)
-        array = np.fromiter(ids, np.int32, len(ids))
-        return Encoded(array, self._mask(rendering.text, ids, array, rendering.spans), rendering)
+        listed = self.encoder(rendering.text)
+        ids = np.fromiter(listed, np.int32, len(listed))
+        return Encoded(ids, self._mask(rendering.text, ids, rendering.spans), rendering)
 
     def render_with_spans(self, messages: Sequence[Message], tools: list | None = None
                           ) -> tuple[str, list[tuple[int, int]]]:
@@ -200,7 +204,7 @@ class ChatMasker:
     def render(self, messages: Sequence[Message], tools: list | None = None) -> Rendering:
         values: list[str] = []
         owners: list[tuple[int, str]] = []  # value index -> (message index, field)
-        real, marked, calls_real = [], [], []
+        real, calls_real, marked = [], [], []
 
         def sentinel(value: str, j: int, name: str) -> str:
             values.append(value)
@@ -210,14 +214,15 @@ class ChatMasker:
         for j, m in enumerate(messages):
             message = m.to_template()
             real.append(message)
-            marked.append({**message, **{k: sentinel(message[k], j, k)
-                                         for k in ("content", "reasoning_content") if k in message}})
-            calls_real.append(dict(marked[-1]))
+            calls_real.append({**message, **{k: sentinel(message[k], j, k)
+                                             for k in ("content", "reasoning_content") if k in message}})
+            calls = {}
             if message.get("tool_call_id") is not None:
-                marked[-1]["tool_call_id"] = sentinel(message["tool_call_id"], j, "tool_call_id")
+                calls["tool_call_id"] = sentinel(message["tool_call_id"], j, "tool_call_id")
             if "tool_calls" in message:
-                marked[-1]["tool_calls"] = [_marked_call(call, lambda v: sentinel(v, j, "tool_call"))
-                                            for call in message["tool_calls"]]
+                calls["tool_calls"] = [_marked_call(call, lambda v: sentinel(v, j, "tool_call"))
+                                       for call in message["tool_calls"]]
+            marked.append({**calls_real[-1], **calls})
         text = self._render(real, tools=tools)
         placed = self._place(marked, calls_real, tools, text, values)
         by_message: dict[int, list[int]] = {}
@@ -249,28 +254,28 @@ class ChatMasker:
         renders a tool call's sentinels so that they cannot be aligned (one that parses its
         arguments) is given the real calls, `calls_real`, from then on: that rendering is the
         conversation's own and is not kept."""
-        calls = self._marks_calls or marked == calls_real
-        key = repr((marked, tools)) if calls else None
-        kept = self._skeletons.get(key) if key else None
+        plain = marked == calls_real  # no tool call to mark
+        if not (plain or self._marks_calls):
+            return _align(self._render(calls_real, tools=tools), text, values)
+        key = repr((marked, tools))
+        kept = self._skeletons.get(key)
         if kept is not None:
             try:
                 return _align(kept, text, values)
             except MaskError:
                 pass
-        if calls:
-            skeleton = self._render(marked, tools=tools)
-            try:
-                placed = _align(skeleton, text, values)
-            except MaskError:
-                if marked == calls_real:
-                    raise
-                self._marks_calls = False
-            else:
-                if len(self._skeletons) >= SKELETON_CACHE_SIZE:
-                    self._skeletons.clear()
-                self._skeletons[key] = skeleton
-                return placed
-        return _align(self._render(calls_real, tools=tools), text, values)
+        skeleton = self._render(marked, tools=tools)
+        try:
+            placed = _align(skeleton, text, values)
+        except MaskError:
+            if plain:
+                raise
+            self._marks_calls = False
+            return _align(self._render(calls_real, tools=tools), text, values)
+        if len(self._skeletons) >= SKELETON_CACHE_SIZE:
+            self._skeletons.clear()
+        self._skeletons[key] = skeleton
+        return placed
 
     # --- template analysis ------------------------------------------------------------------
 
@@ -352,14 +357,14 @@ class ChatMasker:
 
     # --- tokens -----------------------------------------------------------------------------
 
-    def _mask(self, text: str, ids: list[int], array: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-        """The mask of `ids` (and the same as `array`), int8."""
+    def _mask(self, text: str, ids: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+        """The int8 mask of `text`'s `ids`."""
         parts = self._cut_re.split(text)  # run, special token, run, ..., run
-        known = array < len(self._is_cut)  # an id past the table is no cut id
-        is_cut = np.zeros(len(array), dtype=bool)
-        is_cut[known] = self._is_cut[array[known]]
+        known = ids < len(self._is_cut)  # an id past the table is no cut id
+        is_cut = np.zeros(len(ids), dtype=bool)
+        is_cut[known] = self._is_cut[ids[known]]
         positions = np.flatnonzero(is_cut)
-        if array[positions].tolist() != [self.cut_ids[cut] for cut in parts[1::2]]:
+        if ids[positions].tolist() != [self.cut_ids[cut] for cut in parts[1::2]]:
             raise MaskError(TOKENIZER_MISMATCH, "the special tokens in the ids do not match those in the text")
         # The runs of ids between the special tokens: text[chars[k]:ends[k]] is ids[firsts[k]:stops[k]].
         offsets = np.cumsum([0, *map(len, parts)])
@@ -379,14 +384,14 @@ class ChatMasker:
             self._mark_run(text, int(chars[k]), int(ends[k]), ids, first, stop, inside, mask)
         return mask
 
-    def _mark_run(self, text: str, start: int, end: int, ids: list[int], first: int, stop: int,
+    def _mark_run(self, text: str, start: int, end: int, ids: np.ndarray, first: int, stop: int,
                   inside: _Spans, mask: np.ndarray) -> None:
         """Mark the ids[first:stop] that encode text[start:end] (no special token inside, a span
         boundary inside)."""
         chars, tokens = [start], [first]
         for boundary in inside.boundaries(start, end):
             left = self._prefix(text[start:boundary])
-            k = _common_prefix(left, ids[first:min(stop, first + len(left))])
+            k = _common_prefix(left, ids[first:min(stop, first + len(left))].tolist())
             if k < len(left) and not inside(boundary):
                 k += 1  # a token across the end of a span is supervised, like one across its start
             chars.append(boundary)
