@@ -1,44 +1,28 @@
 """Shared fixtures: the miniature targets (trained once into the repository's cache, keyed by
 a hash of the fixture code and corpus, and copied per session so no test can alter the cache),
-the demo conversations, each target loaded with an untrained draft, a helper that runs a numbered
-script as a real subprocess, one that runs `vllm serve` for the duration of a test, two that write
-step 02's and step 03's folders from random states (for checks and plumbing), and one that writes
-an untrained draft folder."""
+the demo conversations, each target's tokenizer and masker, each target loaded with an untrained
+draft, and the vLLM environment. The helpers the tests share are in tests/helpers.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from helpers import falling_counts, random_draft
 from speculators.models.eagle3 import Eagle3DraftModel
 from transformers import AutoTokenizer
 
 from common.data.loss_mask import ChatMasker
-from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
+from common.defaults import DEFAULT_VLLM_PYTHON
 from common.draft import patch
-from common.draft.model import TINY_CONFIG, build_draft, export_draft, read_config_file, speculator_config
+from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
 from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target, ensure_targets
-from common.hidden_states.files import SAMPLE_LENGTHS, DataConfig, save_sample
-from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
 from common.target.model import load_text_model
-from common.vocab import build_maps, make_report, write_vocab
-
-DRAFT_K = 3  # TTT steps of the untrained drafts of random_draft
-DRAFT_VOCAB = 512
+from common.vocab import build_maps
 
 
 def _session_copy(kind: str, tmp_path_factory) -> Path:
@@ -99,98 +83,6 @@ def demo_conversations() -> Path:
     return DEMO_CONVERSATIONS
 
 
-def run_script(script: str, *args: str | Path, check: bool = True, timeout: float = 600,
-               env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python SCRIPT ARGS...` from the repository root as a real subprocess."""
-    cmd = [sys.executable, str(REPO_ROOT / script), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
-
-
-def read_regenerated(folder: Path) -> list[dict]:
-    """The conversations of a 00 output folder, in part order."""
-    return [json.loads(line) for p in sorted(folder.glob("*.jsonl")) for line in p.read_text().splitlines()]
-
-
-def assert_same_turns(hf: list[dict], served: list[dict], max_differing: float = 0.1) -> None:
-    """00's conversations from two engines at temperature 0: the same conversations, and the same
-    assistant turns but for rounding ties (vLLM's CPU kernels and transformers' round differently, so
-    a near-tie may break the other way): at most `max_differing` of the turns may differ."""
-    assert [r["id"] for r in hf] == [r["id"] for r in served] and hf
-    turns = [(a, b) for x, y in zip(hf, served, strict=True) for a, b in zip(x["messages"], y["messages"])
-             if a["role"] == "assistant"]
-    differ = [(a, b) for a, b in turns if a != b]
-    assert len(differ) <= int(len(turns) * max_differing), differ
-
-
-@contextmanager
-def vllm_server(python: Path, target: Path, log: Path, *flags: str) -> Iterator[str]:
-    """`vllm serve TARGET FLAGS` (its OpenAI API server, tokenizer initialised) on a free local port,
-    in bf16 with a 1 GiB KV cache; yields its URL once it answers, stopped on leaving."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--dtype", "bfloat16",
-               "--max-model-len", "512", "--port", str(port), "--kv-cache-memory-bytes", str(1 << 30),
-               "--no-enable-prefix-caching", *flags]
-    with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 900
-            while True:
-                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                try:
-                    urllib.request.urlopen(url + "/v1/models", timeout=5)
-                    break
-                except OSError:
-                    time.sleep(2)
-            yield url
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=120)
-
-
-def write_hidden_states(folder: Path, target: Path, num_samples: int, hidden: int | None = None,
-                        length: int = 48, seed: int = 0, storage: str = "bf16") -> Path:
-    """A hidden-state folder as step 02 writes it, with random states (for checks and plumbing)."""
-    info = load_target_info(target, trust_remote_code=True)
-    hidden = hidden or info.hidden_size
-    g = torch.Generator().manual_seed(seed)
-    lengths = {}
-    for i in range(num_samples):
-        n = length + i % 7
-        ids = torch.randint(0, min(info.vocab_size, 3000), (n,), generator=g)
-        states, scales = STORAGES[storage].encode([torch.randn(n, hidden, generator=g) for _ in range(4)])
-        save_sample(folder, i, ids, states, torch.ones(n, dtype=torch.long), scales)
-        lengths[str(i)] = n
-    (folder / SAMPLE_LENGTHS).write_text(json.dumps(lengths))
-    DataConfig(target=info.path, architecture=info.architecture, text_architecture=info.text_architecture,
-               hidden_size=hidden, num_layers=info.num_layers, vocab_size=info.vocab_size,
-               layer_ids=info.default_layer_ids(), compute_dtype="float32", max_len=4096, prepared="test",
-               tokenizer="test", chat_template_sha256="0", sample_count=num_samples, storage=storage,
-               dtype=STORAGES[storage].dtype_name).save(folder)
-    return folder
-
-
-def write_vocab_folder(folder: Path, vocab_size: int, draft_vocab: int = 200) -> Path:
-    counts = falling_counts(vocab_size, draft_vocab)
-    d2t, t2d = build_maps(counts, draft_vocab)
-    write_vocab(folder, d2t, t2d, counts, make_report(counts, t2d, target="test", prepared="test", samples=1))
-    return folder
-
-
-def falling_counts(vocab_size: int, draft_vocab: int) -> torch.Tensor:
-    """Token counts that make ids 0..draft_vocab-1 the draft vocabulary."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    counts[: draft_vocab * 2] = torch.arange(draft_vocab * 2, 0, -1)
-    return counts
-
-
 @pytest.fixture(scope="session")
 def tiny_draft(flat_target) -> Eagle3DraftModel:
     """An untrained draft of configs/draft_tiny.json on the flat miniature, as 04 builds it
@@ -201,38 +93,6 @@ def tiny_draft(flat_target) -> Eagle3DraftModel:
     config = speculator_config(read_config_file(TINY_CONFIG).model, info, 200, info.default_layer_ids(), 3)
     torch.manual_seed(0)
     return build_draft(config, t2d, d2t)
-
-
-def packed_batch(seed: int, length: int = 24, hidden: int = 64) -> dict[str, torch.Tensor]:
-    """A batch as the library's collate packs two samples, from random states."""
-    g = torch.Generator().manual_seed(seed)
-    return {"hidden_states": torch.randn(1, length, 3 * hidden, generator=g),
-            "input_ids": torch.randint(0, 400, (1, length), generator=g),
-            "verifier_last_hidden_states": torch.randn(1, length, hidden, generator=g),
-            "loss_mask": torch.ones(1, length, dtype=torch.long), "lengths": torch.tensor([10, length - 10]),
-            "position_ids": torch.cat([torch.arange(10), torch.arange(length - 10)]).unsqueeze(0)}
-
-
-def random_draft(target: Path, seed: int = 0):
-    """An untrained draft for `target`, with a draft vocabulary that is not the identity map."""
-    patch.apply(trust_remote_code=True, compile_forward=False)
-    info = load_target_info(target, trust_remote_code=True)
-    counts = torch.zeros(info.vocab_size, dtype=torch.long)
-    counts[:4096] = torch.randint(1, 100, (4096,), generator=torch.Generator().manual_seed(seed))
-    d2t, t2d = build_maps(counts, DRAFT_VOCAB)
-    config = speculator_config(read_config_file(TINY_CONFIG).model, info, DRAFT_VOCAB, info.default_layer_ids(),
-                               DRAFT_K)
-    torch.manual_seed(seed)
-    return build_draft(config, t2d, d2t).eval()
-
-
-def export_untrained(target: Path, out: Path, seed: int = 0) -> Path:
-    """A draft folder in speculators format holding an untrained draft, through 04's exporter."""
-    draft = random_draft(target, seed)
-    checkpoint = out.parent / f".{out.name}-checkpoint"
-    checkpoint.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(checkpoint / "model.safetensors"))
-    return export_draft(checkpoint, draft.config, out)
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +113,62 @@ def models(kimi_target, flat_target):
         info = load_target_info(path, trust_remote_code=True)
         loaded[name] = (load_text_model(info), info, random_draft(path))
     return loaded
+
+
+# --- running the suite on several cores (pytest-xdist, `-n auto --dist loadgroup` in pytest.ini) ---------
+
+# Minutes a group of tests took on 2 shared cores (two warm runs of the whole suite, the mean of each
+# group's test times in --junitxml): the scheduler hands out the longest first, so no long group starts
+# last while the other worker idles. A group not listed counts as long.
+GROUP_MINUTES = {"faults.outcomes": 10.4, "vllm.flat_run": 8.6, "05_evaluate.eval_run": 6.2,
+                 "vllm.kimi_hf_turns": 3.5, "04_train.small_data": 2.3, "04_train.trained": 2.1,
+                 "00_regenerate.hf_fp32": 1.9, "vllm.kimi_states": 1.6, "02_extract.extracted": 1.2,
+                 "00_regenerate.kimi": 0.8}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # vLLM's own CPU CI runs its engine through dynamo without inductor (VLLM_CPU_CI_ENV, read by
+    # vllm/platforms/cpu.py and v1/worker/cpu_worker.py): an engine start takes ~35 s instead of 65-95 s
+    # on 2 cores, and the tests check what our code does with the engine, not inductor's kernels. The one
+    # test that needs the inductor-compiled engine users run by default sets it to 0 for its own run.
+    os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Each worker and every process it starts computes on one thread: two workers with two spinning
+        # OpenMP threads each on 2 cores make every forward pass many times slower.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def _shared_fixtures(item: pytest.Item) -> set[str]:
+    """The module- and session-scoped fixtures of the test's own module that it uses (directly or
+    through another fixture): pipeline runs and engines built once for the tests that share them."""
+    found = set()
+    for name in item.fixturenames:
+        defs = item._fixtureinfo.name2fixturedefs.get(name) or ()
+        if defs and defs[-1].scope in ("module", "session") and defs[-1].func.__module__ == item.module.__name__:
+            found.add(name)
+    return found - {"one_thread", "sigint_delivered"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that share a module's pipeline run or engine go to one worker as a group (`xdist_group`),
+    so it is built once; the groups are ordered longest first (GROUP_MINUTES; an unknown group counts
+    as long), then the single tests in their own order."""
+    parent: dict[str, str] = {}  # union-find over (module, fixture): tests sharing any fixture share a group
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {item: [f"{item.module.__name__}.{name}" for name in sorted(_shared_fixtures(item))] for item in items}
+    for keys in shared.values():
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+    groups = {item: root(keys[0]).replace("test_", "", 1) for item, keys in shared.items() if keys}
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
+    first_seen = {group: i for i, group in reversed(list(enumerate(groups.get(item) for item in items)))}
+    items.sort(key=lambda item: (item not in groups, -GROUP_MINUTES.get(groups.get(item), 1e9),
+                                 first_seen.get(groups.get(item), 0)))

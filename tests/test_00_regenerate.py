@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_turns, read_regenerated, run_script, vllm_server
+from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
 
 from common.data.conversations import Conversation, Message, ToolCall, to_conversation
 from common.data.prepare import PrepareOptions, prepare
@@ -231,35 +231,39 @@ def test_a_conversation_ends_where_the_target_calls_other_tools():
 
 # --- the vLLM engine (vLLM's CPU build from .venv-vllm) ---------------------------------------
 
-VLLM_COMMON = ["--max-new-tokens", 32, "--max-samples", 10, "--temperature", 0, "--keep-cut", "--dtype", "bf16",
+# Both engines in fp32: in bf16 the weakly trained miniature meets near-ties that vLLM's CPU kernels break
+# otherwise than transformers' depending on the CPU (on an AVX2-only EPYC 1-2 of the 3 conversations
+# differed from their first turns, in bf16, with and without inductor; in fp32 all were equal to the token).
+# vLLM's bf16 serving is checked against HF's bf16 spread in tests/test_vllm.py.
+VLLM_COMMON = ["--max-new-tokens", 32, "--max-samples", 10, "--temperature", 0, "--keep-cut", "--dtype", "fp32",
                "--max-prompt-len", 480]
 
 
 @pytest.fixture(scope="module")
-def hf_bf16(flat_target, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf_bf16") / "out"
+def hf_fp32(flat_target, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("hf_fp32") / "out"
     run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, env=ONE_THREAD)
     return read_regenerated(out)
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_python, flat_target, hf_bf16,
+def test_vllm_engine_regenerates_what_the_hf_engine_does_at_temperature_0(vllm_python, flat_target, hf_fp32,
                                                                          tmp_path):
-    """Both engines in bf16 on the flat miniature, greedy: the same conversations, turns and texts."""
+    """Both engines in fp32 on the flat miniature, greedy: the same conversations, turns and texts."""
     run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", tmp_path, "--engine", "vllm",
                "--vllm-python", vllm_python, env=ONE_THREAD)
-    assert_same_turns(hf_bf16, read_regenerated(tmp_path))
+    assert_same_turns(hf_fp32, read_regenerated(tmp_path))
     report = json.loads((tmp_path / "regenerate_report.json").read_text())
     assert report["settings"]["engine"] == "vllm" and report["generations"] >= 10
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_vllm_server_given_by_url_regenerates_the_same(vllm_python, flat_target, hf_bf16, tmp_path):
+def test_a_vllm_server_given_by_url_regenerates_the_same(vllm_python, flat_target, hf_fp32, tmp_path):
     """`vllm serve` started apart (its OpenAI API), 00 with --vllm-url: token ids in and out."""
-    with vllm_server(vllm_python, flat_target, tmp_path / "serve.log") as url:
+    with vllm_server(vllm_python, flat_target, tmp_path / "serve.log", dtype="float32") as url:
         out = tmp_path / "out"
         run_script(SCRIPT, "--target", flat_target, *VLLM_COMMON, "--output", out, "--engine", "vllm",
                    "--vllm-url", url, "--max-in-flight", 4, env=ONE_THREAD)
-        assert_same_turns(hf_bf16, read_regenerated(out))
+        assert_same_turns(hf_fp32, read_regenerated(out))

@@ -14,12 +14,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT, run_script
 
 from common.data.conversations import Conversation, iter_records, resolve_inputs, to_conversation
 from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
 from common.data.prepared_dataset import COLUMNS, PrepareReport, load_prepared
 from common.errors import PipelineError
-from conftest import REPO_ROOT, run_script
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 IMAGE_RECORD = {"messages": [

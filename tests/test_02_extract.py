@@ -4,7 +4,6 @@ folder (speculators' own dataset loads it), resume after SIGKILL, shards, failur
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
 import os
@@ -17,11 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
 from datasets import Dataset
+from helpers import (
+    KIMI_IM_END,
+    ONE_THREAD,
+    assert_same_files,
+    extract_args,
+    folder_digest,
+    read_files,
+    run_script,
+    write_prepared,
+)
 from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
-from common.data.prepared_dataset import PrepareReport
 from common.defaults import REPO_ROOT
 from common.errors import PipelineError
 from common.hidden_states import files as state_files
@@ -49,31 +56,6 @@ from common.target.model import load_text_model
 SCRIPT = "02_extract_hidden_states.py"
 NUM_SAMPLES = 32
 VERIFIED = range(0, NUM_SAMPLES, 4)  # samples checked against a plain forward (slow on CPU for Kimi's vocabulary)
-BATCH_TOKENS = 160  # small batches: many of them, so a run can be killed in the middle
-# One compute thread per process: on a shared 2-core machine several processes with two spinning
-# OpenMP threads each run many times slower than with one.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-KIMI_IM_END = 163586
-
-
-def write_prepared(folder: Path, target: Path, num: int, seed: int = 0, max_len: int = 40,
-                   kimi_row: int | None = None) -> Path:
-    """A prepared folder as step 01 writes it, with random ids below 4000 (live in both targets);
-    row `kimi_row` ends with Kimi's `<|im_end|>`, as data tokenized for Kimi would."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, max_len, (num,), generator=g).tolist()
-    ids = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lengths]
-    if kimi_row is not None:
-        ids[kimi_row][-1] = KIMI_IM_END
-    masks = [(torch.rand(n, generator=g) < 0.5).long().tolist() for n in lengths]
-    Dataset.from_dict({"sample_id": [f"rand-{i}" for i in range(num)], "input_ids": ids, "loss_mask": masks,
-                       "num_tokens": lengths}).save_to_disk(str(folder))
-    info = load_target_info(target, trust_remote_code=True)
-    PrepareReport(target=info.path, tokenizer="test", vocab_size=info.vocab_size, chat_template_sha256="0" * 64,
-                  max_len=max_len, inputs=["random"], samples_kept=num).save(folder)
-    return folder
 
 
 def random_ids(lengths: list[int]) -> list[list[int]]:
@@ -81,35 +63,11 @@ def random_ids(lengths: list[int]) -> list[list[int]]:
     return [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lengths]
 
 
-def extract_args(prepared: Path, target: Path, out: Path, *extra: str) -> list[str]:
-    return ["--prepared", str(prepared), "--target", str(target), "--trust-remote-code", "--output", str(out),
-            "--batch-tokens", str(BATCH_TOKENS), *extra]
-
-
 def load_script():
     spec = importlib.util.spec_from_file_location("extract_hidden_states", REPO_ROOT / SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def read_files(folder: Path) -> dict[int, dict]:
-    return {i: torch.load(p, weights_only=True) for i, p in list_sample_files(folder).items()}
-
-
-def assert_same_files(folder: Path, reference: Path) -> None:
-    """Exactly the files of `reference`: same indices, bit-identical tensors."""
-    ours, theirs = read_files(folder), read_files(reference)
-    assert sorted(ours) == sorted(theirs)
-    for i, data in theirs.items():
-        assert torch.equal(ours[i]["input_ids"], data["input_ids"])
-        assert torch.equal(ours[i]["loss_mask"], data["loss_mask"])
-        assert all(torch.equal(a, b) for a, b in zip(ours[i]["hidden_states"], data["hidden_states"], strict=True)), i
-
-
-def folder_digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
 from datasets import Dataset
+from helpers import run_script
 from speculators.train.vocab_mapping import (
     build_vocab_mappings_from_distribution,
     save_token_frequency_distribution,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script, write_hidden_states, write_vocab_folder
+from helpers import run_script, write_hidden_states, write_vocab_folder
 from safetensors import safe_open
 from safetensors.torch import load_file
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import export_untrained
-from conftest import run_script as run_any_script
 from datasets import Dataset
+from helpers import export_untrained
+from helpers import run_script as run_any_script
 
 from common.data.prepared_dataset import load_prepared
 from common.draft.model import TINY_CONFIG

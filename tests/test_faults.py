@@ -1,5 +1,6 @@
-"""Fault drills: the numbered scripts run as real subprocesses against broken input, a broken
-environment and interruptions, one catalog entry per fault.
+"""Fault drills: the numbered scripts run against broken input, a broken environment and
+interruptions, one catalog entry per fault: as real subprocesses, or, for a refusal that needs no
+signal, resource limit or lock, as their `main` inside the test's process (`Fault.in_process`).
 
 Every case checks three things: the exit status (or, for a kill drill, that the restart
 succeeds), one line on stderr naming the cause (the file, flag or sample; no traceback; for a
@@ -11,9 +12,9 @@ as rewritten), and a new file may appear only where the case allows it or under 
 
 The shared inputs (01 -> 02 -> 03 on a few demo conversations, Kimi-style miniature target;
 for the cases on a trained run, 04 for one epoch on top) are made once per session; each case
-works on its own copy. The cases run in a pool of
-FAULT_JOBS worker threads (default: the usable cores, at least 2), each case a few script runs;
-the test of a case reports its outcome.
+works on its own copy. The subprocess cases run in a pool of FAULT_JOBS worker threads (default:
+the usable cores, at least 2), each case a few script runs; the test of a case reports its outcome
+(and runs an in-process case itself, meanwhile).
 """
 
 from __future__ import annotations
@@ -29,15 +30,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import export_untrained, run_script
-from test_02_extract import BATCH_TOKENS, assert_same_files, extract_args, folder_digest, write_prepared
-from test_04_train import write_hidden_states
+from helpers import (
+    BATCH_TOKENS,
+    assert_same_files,
+    export_untrained,
+    extract_args,
+    folder_digest,
+    run_in_process,
+    run_script,
+    write_hidden_states,
+    write_prepared,
+)
 
 from common.atomic import TMP_PREFIX
 from common.defaults import REPO_ROOT
@@ -159,6 +169,14 @@ class Fault:
     trained: bool = False  # the case starts from the trained run (04's checkpoint 0, draft, log, report)
     file_size_limit: int | None = None  # RLIMIT_FSIZE of the script, bytes (`ulimit -f`: EFBIG past it)
     moved_to: str | None = None  # run-folder glob where files that left their place must be, unchanged
+    own_process: bool = False  # run as a subprocess even where a refusal could run in process (see in_process)
+
+    @property
+    def in_process(self) -> bool:
+        """A refusal (exit 1) with no signal or resource limit: the script's `main` runs in the test's
+        process (`run_in_process`, ~8 s of imports less per case). One refusal per script, and the lock
+        drill, keep a process of their own, so the `__main__` path stays covered end to end."""
+        return self.status == 1 and self.interrupt is None and self.file_size_limit is None and not self.own_process
 
 
 def is_temporary(rel: str) -> bool:
@@ -558,7 +576,7 @@ TRAIN_OUTPUTS = ("checkpoints/*", "draft/*", "train_log.jsonl", "train_log.png",
 FAULTS = [
     # 01: the conversations
     Fault("malformed_json_file", PREPARE, lambda ws: conversations_file(ws, "chats.json", '[{"messages": ['),
-          1, r"chats\.json: not a valid JSON file"),
+          1, r"chats\.json: not a valid JSON file", own_process=True),
     Fault("empty_jsonl_file", PREPARE, lambda ws: conversations_file(ws, "empty.jsonl", ""),
           1, r"empty\.jsonl: no usable conversation in 0 read"),
     Fault("unknown_file_format", PREPARE, lambda ws: conversations_file(ws, "chats.csv", "role,content\n"),
@@ -604,7 +622,8 @@ FAULTS = [
           file_size_limit=64_000),
     # 02: the target, the prepared data, the output folder
     Fault("target_without_weights", EXTRACT, target_without_weights,
-          1, r"target .*no_weights: no weights \(model\.safetensors\.index\.json or model\.safetensors not found\)"),
+          1, r"target .*no_weights: no weights \(model\.safetensors\.index\.json or model\.safetensors not found\)",
+          own_process=True),
     Fault("target_not_causal_lm", EXTRACT, target_not_causal_lm,
           1, r"target .*vit: config \(vit\) is not a causal language model: no vocab_size"),
     Fault("prepared_with_other_tokenizer", EXTRACT, lambda ws: ws.extract("new_hidden_states", target=ws.flat),
@@ -653,14 +672,14 @@ FAULTS = [
              r"[\d.]+ KB \(ulimit -f\)", may_add=("new_hidden_states/*",), file_size_limit=20_000),
     Fault("second_02_while_first_runs", EXTRACT, second_extract_while_first_runs,
           1, r"output folder .*new_hidden_states: 02_extract_hidden_states\.py \(pid \d+ on .*\) is writing shard 0 "
-             "of 1 into it"),
+             "of 1 into it", own_process=True),
     # 03
     Fault("prepared_arrow_cut_short", VOCAB, truncated_arrow,
           1, r"prepared dataset .*prepared: data-00000-of-00001\.arrow cannot be read \(.*\); run 01_prepare_data\.py "
              "again"),
     Fault("vocab_for_other_target", VOCAB, lambda ws: ["--run-dir", ws.run, "--target", ws.flat, "--output",
                                                        ws.run / "new_vocab"],
-          1, r"prepared dataset .*prepared was made for a vocabulary of 163840"),
+          1, r"prepared dataset .*prepared was made for a vocabulary of 163840", own_process=True),
     # 04: the hidden states, the maps, the draft config, interruptions
     Fault("truncated_data_file_train", TRAIN, truncated_then_train,
           0, r"skipped .*hidden_states/00000/data_\d+\.pt: cut short \(100 bytes", may_add=TRAIN_OUTPUTS,
@@ -688,7 +707,7 @@ FAULTS = [
           1, r"hidden states .*hidden_states_32 have hidden size 32 \(data_config\.json\), but draft config "
              r".*draft_tiny\.json has hidden_size 64"),
     Fault("torn_data_config", TRAIN, torn_json("hidden_states/data_config.json", Workspace.train),
-          1, r"hidden_states/data_config\.json: not valid JSON"),
+          1, r"hidden_states/data_config\.json: not valid JSON", own_process=True),
     Fault("sigkill_04_then_resume", TRAIN, lambda ws: ws.train(), 0, None,
           may_change=("train_log.jsonl", "train_log.png"), may_add=TRAIN_OUTPUTS,
           interrupt=Interrupt(signal.SIGKILL, has_checkpoint_0, restart=("--resume",)),
@@ -722,7 +741,7 @@ FAULTS = [
     Fault("draft_for_other_target", EVALUATE, draft_of_flat_target,
           1, r"draft .*draft maps a target vocabulary of 4,096 ids, but target .*kimi has 163,840"),
     Fault("draft_weights_cut_short", EVALUATE, draft_weights_cut_short,
-          1, r"draft/model\.safetensors: not a readable safetensors file"),
+          1, r"draft/model\.safetensors: not a readable safetensors file", own_process=True),
     Fault("prepared_of_another_run", EVALUATE, prepared_again,
           1, r"prepared dataset .*prepared is not the one draft .*draft was trained on \(prepared fingerprint \w+, "
              r".*validation_split\.json records \w+\)", may_change=("prepared/*",), trained=True),
@@ -779,6 +798,8 @@ def run_case(fault: Fault, ws: Workspace) -> None:
             proc = interrupted_run(fault, ws, args)
         elif fault.file_size_limit is not None:
             proc = limited_run(fault, args)
+        elif fault.in_process:
+            proc = run_in_process(fault.script, *args)
         else:
             proc = run_script(fault.script, *args, check=False, timeout=TIMEOUT, env=ENV)
         if interrupt is not None and interrupt.signal == signal.SIGKILL:
@@ -822,9 +843,10 @@ def check_outcome(fault: Fault, ws: Workspace, proc: subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="session")
-def outcomes(request, tmp_path_factory, shared_run, kimi_target, flat_target) -> Iterator[dict[str, Future]]:
-    """Start every selected case, JOBS at a time (a case is a few script runs, mostly start-up);
-    each case's test waits for its own."""
+def outcomes(request, tmp_path_factory, shared_run, kimi_target, flat_target) -> Iterator[dict[str, Callable]]:
+    """Start every selected case that runs its script as a subprocess, JOBS at a time (a case is a
+    few script runs, mostly start-up); each case's test waits for its own outcome, or runs its case
+    itself when the script runs in process (in the test's thread: it redirects stdout and stderr)."""
     selected = [item.callspec.params["fault"] for item in request.session.items
                 if getattr(item, "function", None) is test_fault]
     root = tmp_path_factory.mktemp("fault-cases")
@@ -837,13 +859,14 @@ def outcomes(request, tmp_path_factory, shared_run, kimi_target, flat_target) ->
         run_case(fault, ws)
 
     pool = ThreadPoolExecutor(JOBS)
-    yield {fault.name: pool.submit(execute, fault) for fault in selected}
+    started = {fault.name: pool.submit(execute, fault).result for fault in selected if not fault.in_process}
+    yield {**started, **{fault.name: partial(execute, fault) for fault in selected if fault.in_process}}
     pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
 def test_fault(fault, outcomes):
-    outcomes[fault.name].result()  # the case's own failure (or skip), raised here
+    outcomes[fault.name]()  # the case's own failure (or skip), raised here
 
 
 def test_catalog_covers_at_least_fifty_faults():

@@ -9,8 +9,9 @@ worker and through `vllm serve` regenerates the HF engine's turns. Bad input (no
 layer id out of range, a draft vLLM refuses, INT4 experts on a CPU) ends with one line, and 05's
 own figures are written before any engine starts.
 
-Every engine start costs one to three minutes on 2 shared CPU cores: the module starts eight (flat:
-02 once, 05's two drafts and its plain run, the refused draft; Kimi: 02, 00, `vllm serve`). Without
+Every engine start costs about half a minute (dynamo without inductor, VLLM_CPU_CI_ENV=1, as vLLM's own
+CPU CI runs; the flat 02 test keeps inductor's compile, 1-2 minutes) on 2 shared CPU cores: the module
+starts eight (flat: 02 once, 05's two drafts and its plain run, the refused draft; Kimi: 02, 00, `vllm serve`). Without
 the environment the tests are skipped, unless REQUIRE_VLLM=1 (set by .ci/run), which makes its
 absence a failure.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_turns, read_regenerated, run_script, vllm_server
+from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
 
 from common.hidden_states.vllm_states import rms_norm
 from common.vllm.client import _log_cause
@@ -80,9 +81,11 @@ def assert_same_files(out: Path, reference: Path, count: int) -> dict[str, tuple
 
 @pytest.mark.slow
 def test_vllm_states_equal_hf_states(flat_run, flat_target):
+    """The one engine of the suite compiled with inductor, as vLLM runs by default (the others run
+    dynamo without inductor, VLLM_CPU_CI_ENV=1 from conftest.py, as vLLM's own CPU CI does)."""
     out = flat_run / "hidden_states_vllm"
     proc = run_script("02_extract_hidden_states.py", "--run-dir", flat_run, "--target", flat_target,
-                      "--output", out, "--engine", "vllm", env=ENV)
+                      "--output", out, "--engine", "vllm", env={**ENV, "VLLM_CPU_CI_ENV": "0"})
     assert "compute on vLLM (own engine, bfloat16)" in proc.stdout
     for name, (ours, theirs) in assert_same_files(out, flat_run / "hidden_states", 12).items():
         for a, b in zip(ours["hidden_states"], theirs["hidden_states"], strict=True):

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import export_untrained
+from helpers import export_untrained
 
 from common.errors import PipelineError
 from common.evaluate.decoding import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_script
+from helpers import run_script
 
 from common.target.config import load_target_info, read_tensors, weight_map
 from common.target.device_plan import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import write_hidden_states
+from helpers import write_hidden_states
 
 from common.errors import PipelineError
 from common.train.data import load_hidden_states, split_data

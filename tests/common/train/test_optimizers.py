@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import packed_batch
+from helpers import packed_batch
 
 from common.train.optimizers import MuonWithAdamW, build_optimizer, build_scheduler, muon_parameters
 from common.train.settings import TrainSettings

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import packed_batch
+from helpers import packed_batch
 
 from common.train.optimizers import build_optimizer
 from common.train.settings import TrainSettings
