@@ -89,10 +89,33 @@ def run_main(main: Callable[[], int | None]) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except (KeyboardInterrupt, Terminated) as e:
-        _close_progress_bars()
-        cause = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
-        print(f"{cause}: finished files are kept; run the same command again to resume", file=sys.stderr)
-        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM)
+        _exit_interrupted(e)
+    except Exception as e:
+        interrupt = _interrupt_behind(e)
+        if interrupt is None:
+            raise
+        _exit_interrupted(interrupt)
+
+
+def _exit_interrupted(e: KeyboardInterrupt | Terminated) -> None:
+    _close_progress_bars()
+    cause = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated"
+    print(f"{cause}: finished files are kept; run the same command again to resume", file=sys.stderr)
+    sys.exit(130 if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM)
+
+
+def _interrupt_behind(error: BaseException | None) -> KeyboardInterrupt | Terminated | None:
+    """The Ctrl-C or SIGTERM behind a library's own error: a signal that lands while torch's functorch
+    has a vmap layer pushed (the speculators draft's masks) unwinds into its layer-stack assert
+    (RuntimeError 'INTERNAL ASSERT FAILED ... DynamicLayer.cpp', seen in 04's SIGINT drill), which
+    keeps the interrupt in its chain of causes."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (KeyboardInterrupt, Terminated)):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _close_progress_bars() -> None:

@@ -41,3 +41,29 @@ def test_an_error_is_one_line_and_exit_1(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
     assert (proc.returncode, proc.stderr) == (1, "error: data.jsonl line 3: not JSON\n")
+
+
+@pytest.mark.parametrize(("raised", "status", "last"), [
+    ("KeyboardInterrupt", 130, "interrupted: finished files are kept; run the same command again to resume"),
+    ("Terminated", 143, "terminated: finished files are kept; run the same command again to resume"),
+])
+def test_a_library_error_raised_while_unwinding_an_interrupt_exits_as_the_interrupt(tmp_path, raised, status, last):
+    """A signal that lands inside torch's functorch (a vmap layer pushed) unwinds into torch's own
+    RuntimeError, with the interrupt in its chain: the script still exits as interrupted, no traceback;
+    an error with no interrupt behind it is still a traceback."""
+    script = tmp_path / "interrupted.py"
+    script.write_text("import sys\nfrom common.cli import Terminated, run_main\n\n"
+                      "def main():\n    try:\n        raise " + raised + "\n    finally:\n"
+                      "        if sys.argv[1:] == ['library']:\n"
+                      "            raise RuntimeError('layerId == dynamic_layer.layerId() INTERNAL ASSERT FAILED')\n\n"
+                      "run_main(main)\n")
+    for args in ([], ["library"]):
+        proc = subprocess.run([sys.executable, str(script), *args], check=False, cwd=REPO_ROOT, capture_output=True, text=True,
+                              env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
+        assert (proc.returncode, proc.stderr.strip()) == (status, last), proc.stderr
+    plain = tmp_path / "bug.py"
+    plain.write_text("from common.cli import run_main\n\ndef main():\n    raise RuntimeError('a bug')\n\n"
+                     "run_main(main)\n")
+    proc = subprocess.run([sys.executable, str(plain)], check=False, cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and proc.stderr.strip().endswith("RuntimeError: a bug")
