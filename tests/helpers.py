@@ -73,12 +73,14 @@ def run_script(script: str, *args: str | Path, check: bool = True, timeout: floa
 _SCRIPTS: dict[str, ModuleType] = {}
 
 
-def run_in_process(script: str, *args: str | Path) -> subprocess.CompletedProcess:
+def run_in_process(script: str, *args: str | Path, check: bool = False) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS...` as its `main(argv)` inside this process, through `run_main` as the
     script's `__main__` calls it (exit status, stdout and stderr as the process would give them), on
     one thread, from the repository root: the check of an argument or a file without ~8 s of imports
     per run. A signal, a resource limit or a lock needs a process of its own (`run_script`); an
-    exception that `run_main` does not turn into a message propagates (a traceback, in a process)."""
+    exception that `run_main` does not turn into a message propagates (a traceback, in a process).
+    `check`: a non-zero exit fails the test with the output, as `run_script` does. Only from the test's
+    own thread: stdout, stderr and the working directory are the process's."""
     if script not in _SCRIPTS:
         spec = importlib.util.spec_from_file_location(f"script_{Path(script).stem}", REPO_ROOT / script)
         _SCRIPTS[script] = importlib.util.module_from_spec(spec)
@@ -96,6 +98,8 @@ def run_in_process(script: str, *args: str | Path) -> subprocess.CompletedProces
     finally:
         torch.set_num_threads(threads)
         signal.signal(signal.SIGTERM, sigterm)
+    if check and status != 0:
+        raise AssertionError(f"{script} exited {status}\nstdout:\n{out.getvalue()}\nstderr:\n{err.getvalue()}")
     return subprocess.CompletedProcess([script, *map(str, args)], status, out.getvalue(), err.getvalue())
 
 

@@ -24,6 +24,7 @@ from helpers import (
     extract_args,
     folder_digest,
     read_files,
+    run_in_process,
     run_script,
     write_prepared,
 )
@@ -92,7 +93,7 @@ def extracted(models, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     for name, (target, _model) in models.items():
         root = tmp_path_factory.mktemp(f"extract-{name}")
         prepared = write_prepared(root / "prepared", target, NUM_SAMPLES)
-        run_script(SCRIPT, *extract_args(prepared, target, root / "hs"), env=ONE_THREAD)
+        run_in_process(SCRIPT, *extract_args(prepared, target, root / "hs"), check=True)
         runs[name] = prepared, root / "hs"
     return runs
 
@@ -385,7 +386,7 @@ def extracted_fp8(extracted, kimi_target, tmp_path_factory) -> Path:
     """The Kimi-style run of `extracted` again, stored as fp8."""
     prepared, _bf16 = extracted["kimi"]
     out = tmp_path_factory.mktemp("extract-fp8") / "hs"
-    run_script(SCRIPT, *extract_args(prepared, kimi_target, out, "--storage", "fp8"), env=ONE_THREAD)
+    run_in_process(SCRIPT, *extract_args(prepared, kimi_target, out, "--storage", "fp8"), check=True)
     return out
 
 

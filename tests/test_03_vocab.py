@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from helpers import run_script
+from helpers import run_in_process, run_script
 from speculators.train.vocab_mapping import (
     build_vocab_mappings_from_distribution,
     save_token_frequency_distribution,
@@ -276,8 +276,8 @@ def test_script_rejects_empty_dataset(tmp_path, config_target, rows_saved):
 @pytest.mark.slow
 def test_prepare_then_vocab_on_kimi_target(kimi_target, demo_conversations, tmp_path):
     prepared, out = tmp_path / "prepared", tmp_path / "vocab"
-    run_script("01_prepare_data.py", "--input", demo_conversations, "--target", kimi_target,
-               "--trust-remote-code", "--output", prepared)
+    run_in_process("01_prepare_data.py", "--input", demo_conversations, "--target", kimi_target,
+                   "--trust-remote-code", "--output", prepared, check=True)
     run_script(SCRIPT, "--prepared", prepared, "--target", kimi_target, "--trust-remote-code", "--output", out)
     maps = load_vocab(out, target_vocab_size=163840)
     counts = torch.load(out / "token_freq.pt", weights_only=True)

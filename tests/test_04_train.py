@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_script, write_hidden_states, write_vocab_folder
+from helpers import run_in_process, run_script, write_hidden_states, write_vocab_folder
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -108,10 +108,10 @@ def kill_after_first_checkpoint(args: list[str | Path], checkpoint: Path, timeou
 def trained(tmp_path_factory, kimi_target, demo_conversations) -> TrainedRun:
     run = tmp_path_factory.mktemp("run04")
     common = ["--run-dir", run, "--target", kimi_target, "--trust-remote-code"]
-    run_script("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "100",
-               "--max-len", str(SEQ))
-    run_script("02_extract_hidden_states.py", *common)
-    run_script("03_build_vocab_map.py", *common, "--draft-vocab-size", str(DRAFT_VOCAB))
+    run_in_process("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "100",
+                   "--max-len", str(SEQ), check=True)
+    run_in_process("02_extract_hidden_states.py", *common, check=True)
+    run_in_process("03_build_vocab_map.py", *common, "--draft-vocab-size", str(DRAFT_VOCAB), check=True)
     partial = TrainedRun(kimi_target, run, "", "", "", 0)
     killed = kill_after_first_checkpoint(partial.train_args(), run / "checkpoints" / "0")
     before = sha256(run / "checkpoints" / "0" / "model.safetensors")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from helpers import export_untrained
+from helpers import export_untrained, run_in_process
 from helpers import run_script as run_any_script
 
 from common.data.prepared_dataset import load_prepared
@@ -88,11 +88,11 @@ def eval_run(tmp_path_factory, kimi_target, demo_conversations) -> Path:
     by the target's own continuations, 02, 03, and an untrained draft (RUN/untrained)."""
     run = tmp_path_factory.mktemp("run05")
     common = ["--run-dir", run, "--target", kimi_target, "--trust-remote-code"]
-    run_script("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", str(SAMPLES),
-               "--max-len", "256", "--output", run / "conversations")
+    run_in_process("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", str(SAMPLES),
+                   "--max-len", "256", "--output", run / "conversations", check=True)
     self_distill(run / "conversations", kimi_target, run / "prepared", NEW_TOKENS)
-    run_script("02_extract_hidden_states.py", *common)
-    run_script("03_build_vocab_map.py", *common, "--draft-vocab-size", "1024")
+    run_in_process("02_extract_hidden_states.py", *common, check=True)
+    run_in_process("03_build_vocab_map.py", *common, "--draft-vocab-size", "1024", check=True)
     export_untrained(kimi_target, run / "untrained")
     return run
 
@@ -207,8 +207,8 @@ def test_trained_draft_accepts_more_than_an_untrained_one(eval_run, kimi_target)
     acceptance length than both, below k + 1, close to its simulated one, on a target that
     writes text rather than loops."""
     common = ["--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code"]
-    run_script("04_train.py", *common, "--draft-config", TINY_CONFIG, "--epochs", "10", "--lr", "0.01",
-               "--total-seq-len", "512", "--noise-std", "0", "--val-ratio", "0.2")
+    run_in_process("04_train.py", *common, "--draft-config", TINY_CONFIG, "--epochs", "10", "--lr", "0.01",
+                   "--total-seq-len", "512", "--noise-std", "0", "--val-ratio", "0.2", check=True)
     out = eval_run / "eval.json"
     proc = run_script(SCRIPT, *common, "--reference", eval_run / "untrained", "--max-prompts", "20",
                       "--max-new-tokens", str(NEW_TOKENS), "--json", out)

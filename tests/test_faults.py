@@ -125,8 +125,8 @@ def trained_run(tmp_path_factory, shared_run, kimi_target) -> Path:
     """The shared run with 04 trained for one epoch of the drills' two (checkpoints/0, draft/,
     log and report): the base of the resume and evaluation cases."""
     run = Path(shutil.copytree(shared_run, tmp_path_factory.mktemp("faults-trained") / "run"))
-    run_script(TRAIN, "--run-dir", run, "--target", kimi_target, "--trust-remote-code", "--draft-config",
-               TINY_CONFIG, "--epochs", 1, "--total-seq-len", SEQ, env=ENV)
+    run_in_process(TRAIN, "--run-dir", run, "--target", kimi_target, "--trust-remote-code", "--draft-config",
+                   TINY_CONFIG, "--epochs", 1, "--total-seq-len", SEQ, check=True)
     return run
 
 
@@ -136,10 +136,10 @@ def shared_run(tmp_path_factory, kimi_target, demo_conversations) -> Path:
     so a resumed run can be compared with it file for file."""
     run = tmp_path_factory.mktemp("faults") / "run"
     common = ["--run-dir", run, "--target", kimi_target, "--trust-remote-code"]
-    run_script(PREPARE, *common, "--input", demo_conversations, "--max-samples", SAMPLES, "--max-len", MAX_LEN,
-               env=ENV)
-    run_script(EXTRACT, *common, "--batch-tokens", BATCH_TOKENS, env=ENV)
-    run_script(VOCAB, *common, "--draft-vocab-size", DRAFT_VOCAB, env=ENV)
+    run_in_process(PREPARE, *common, "--input", demo_conversations, "--max-samples", SAMPLES, "--max-len", MAX_LEN,
+                   check=True)
+    run_in_process(EXTRACT, *common, "--batch-tokens", BATCH_TOKENS, check=True)
+    run_in_process(VOCAB, *common, "--draft-vocab-size", DRAFT_VOCAB, check=True)
     return run
 
 

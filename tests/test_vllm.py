@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
+from helpers import assert_same_turns, read_regenerated, run_in_process, run_script, vllm_server
 
 from common.hidden_states.vllm_states import rms_norm
 from common.vllm.client import _log_cause
@@ -47,12 +47,12 @@ def flat_run(tmp_path_factory, flat_target, demo_conversations, vllm_python) -> 
     trained 10 epochs (RUN/draft) and one trained 1 epoch (RUN/weak/draft)."""
     run = tmp_path_factory.mktemp("vllm_run")
     common = ["--run-dir", run, "--target", flat_target]
-    run_script("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "12", env=ENV)
-    run_script("02_extract_hidden_states.py", *common, env=ENV)
-    run_script("03_build_vocab_map.py", *common, "--draft-vocab-size", "1024", env=ENV)
+    run_in_process("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "12", check=True)
+    run_in_process("02_extract_hidden_states.py", *common, check=True)
+    run_in_process("03_build_vocab_map.py", *common, "--draft-vocab-size", "1024", check=True)
     train = [*common, "--draft-config", "configs/draft_tiny.json", "--lr", "0.01"]
-    run_script("04_train.py", *train, "--epochs", "10", env=ENV)
-    run_script("04_train.py", *train, "--epochs", "1", "--output", run / "weak", env=ENV)
+    run_in_process("04_train.py", *train, "--epochs", "10", check=True)
+    run_in_process("04_train.py", *train, "--epochs", "1", "--output", run / "weak", check=True)
     return run
 
 
@@ -177,9 +177,10 @@ def kimi_states(tmp_path_factory, kimi_bf16_target, demo_conversations, vllm_pyt
     reference) and in bf16 (RUN/hf_bf16, HF's own bf16 spread)."""
     run = tmp_path_factory.mktemp("kimi_vllm_run")
     common = ["--run-dir", run, "--target", kimi_bf16_target, "--trust-remote-code"]
-    run_script("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", KIMI_SAMPLES, env=ENV)
-    run_script("02_extract_hidden_states.py", *common, "--dtype", "fp32", env=ENV)
-    run_script("02_extract_hidden_states.py", *common, "--dtype", "bf16", "--output", run / "hf_bf16", env=ENV)
+    run_in_process("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", KIMI_SAMPLES,
+                   check=True)
+    run_in_process("02_extract_hidden_states.py", *common, "--dtype", "fp32", check=True)
+    run_in_process("02_extract_hidden_states.py", *common, "--dtype", "bf16", "--output", run / "hf_bf16", check=True)
     return run
 
 
@@ -259,7 +260,7 @@ def test_int4_experts_on_a_cpu_are_refused_before_the_engine(kimi_target, vllm_p
     (which failed after its ~90 s start-up) and before any output (00 makes the same call)."""
     run = tmp_path / "run"
     common = ["--run-dir", run, "--target", kimi_target, "--trust-remote-code"]
-    run_script("01_prepare_data.py", *common, "--max-samples", 2, env=ENV)
+    run_in_process("01_prepare_data.py", *common, "--max-samples", 2, check=True)
     proc = run_script("02_extract_hidden_states.py", *common, "--engine", "vllm", check=False, env=ENV)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     for words in ("INT4", "routed experts", "on a CPU", "kimi-bf16", "GPU host"):
@@ -283,19 +284,18 @@ def fake_python(folder: Path, version: str) -> Path:
 def test_unusable_vllm_is_refused_before_any_output(flat_target, tmp_path, python, message):
     vllm = tmp_path / "nothing" / "python" if python == "missing" else fake_python(tmp_path, python)
     run = tmp_path / "run"
-    run_script("01_prepare_data.py", "--run-dir", run, "--target", flat_target, "--max-samples", "2", env=ENV)
-    proc = run_script("02_extract_hidden_states.py", "--run-dir", run, "--target", flat_target, "--engine", "vllm",
-                      "--vllm-python", vllm, check=False, env=ENV)
+    run_in_process("01_prepare_data.py", "--run-dir", run, "--target", flat_target, "--max-samples", "2", check=True)
+    proc = run_in_process("02_extract_hidden_states.py", "--run-dir", run, "--target", flat_target, "--engine",
+                          "vllm", "--vllm-python", vllm)
     assert proc.returncode == 1 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (run / "hidden_states").exists()
 
 
 def test_layer_id_out_of_range_is_refused_before_the_engine(flat_target, tmp_path):
     run = tmp_path / "run"
-    run_script("01_prepare_data.py", "--run-dir", run, "--target", flat_target, "--max-samples", "2", env=ENV)
-    proc = run_script("02_extract_hidden_states.py", "--run-dir", run, "--target", flat_target, "--engine", "vllm",
-                      "--vllm-python", fake_python(tmp_path, "0.32.0"), "--layer-ids", "2", "4", "8",
-                      check=False, env=ENV)
+    run_in_process("01_prepare_data.py", "--run-dir", run, "--target", flat_target, "--max-samples", "2", check=True)
+    proc = run_in_process("02_extract_hidden_states.py", "--run-dir", run, "--target", flat_target, "--engine",
+                          "vllm", "--vllm-python", fake_python(tmp_path, "0.32.0"), "--layer-ids", "2", "4", "8")
     assert proc.returncode == 1 and "[8] out of range" in proc.stderr
     assert not (run / "hidden_states").exists()
 
