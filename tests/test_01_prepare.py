@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, run_script
+from helpers import REPO_ROOT, run_in_process, run_script
 
 from common.data.conversations import Conversation, iter_records, resolve_inputs, to_conversation
 from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
@@ -183,8 +183,8 @@ def test_cli_writes_folder_and_report(kimi_target, demo_conversations, tmp_path)
 ])
 def test_cli_errors_name_the_file(kimi_target, tmp_path, make, reason):
     path = make(tmp_path)
-    proc = run_script("01_prepare_data.py", "--input", path, "--target", kimi_target, "--trust-remote-code",
-                      "--output", tmp_path / "out", check=False)
+    proc = run_in_process("01_prepare_data.py", "--input", path, "--target", kimi_target, "--trust-remote-code",
+                          "--output", tmp_path / "out")
     assert proc.returncode == 1
     assert "error: " in proc.stderr and str(path) in proc.stderr and reason in proc.stderr
     assert not (tmp_path / "out").exists()

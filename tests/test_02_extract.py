@@ -473,7 +473,7 @@ def test_output_of_another_target_is_left_untouched(extracted, kimi_target, flat
 
 
 def test_script_exits_1_with_one_line(tmp_path, kimi_target):
-    result = run_script(SCRIPT, "--prepared", tmp_path / "nothing", "--target", kimi_target, "--trust-remote-code",
-                        "--output", tmp_path / "hs", check=False, timeout=300, env=ONE_THREAD)
+    result = run_in_process(SCRIPT, "--prepared", tmp_path / "nothing", "--target", kimi_target, "--trust-remote-code",
+                            "--output", tmp_path / "hs")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: prepared dataset")

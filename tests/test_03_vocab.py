@@ -233,7 +233,7 @@ def test_script_writes_maps(prepared, config_target, tmp_path):
 
 def test_script_error_is_one_line_exit_1(prepared, config_target, tmp_path):
     other = write_config_target(tmp_path / "other", 2000)
-    proc = run_script(SCRIPT, "--prepared", prepared, "--target", other, "--output", tmp_path / "v", check=False)
+    proc = run_in_process(SCRIPT, "--prepared", prepared, "--target", other, "--output", tmp_path / "v")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"error: prepared dataset {prepared} was made for a vocabulary of {VOCAB} "

@@ -443,7 +443,7 @@ def bad_input_args(trained: TrainedRun, output: Path, **paths: Path) -> list[str
 
 @pytest.mark.slow
 def test_missing_data_folder_exits_with_one_line(trained, tmp_path):
-    proc = run_script(SCRIPT, *bad_input_args(trained, tmp_path, data=tmp_path / "nowhere"), check=False)
+    proc = run_in_process(SCRIPT, *bad_input_args(trained, tmp_path, data=tmp_path / "nowhere"))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (f"error: hidden states {tmp_path / 'nowhere'}: no such folder "
                                                     "(run 02_extract_hidden_states.py first)")

@@ -141,8 +141,8 @@ def test_script_samples_at_a_temperature(eval_run, kimi_target, tmp_path):
     assert report["identical_to_greedy"] is None
     assert 1.0 <= report["measured_acceptance_length"] <= 1 + K
     assert 1.0 <= report["baselines"]["ngram"]["measured_acceptance_length"] <= 1 + K
-    proc = run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
-                      "--draft", eval_run / "untrained", "--top-p", "0.5", check=False)
+    proc = run_in_process(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
+                          "--draft", eval_run / "untrained", "--top-p", "0.5")
     assert proc.returncode == 1 and "--top-p 0.5 needs --temperature > 0" in proc.stderr
 
 
@@ -194,8 +194,8 @@ def test_thinking_mode_sets_kimis_serving_temperature(eval_run, kimi_target, pro
     (["--num-speculative-tokens", "3", "3"], "a k is given twice"),
 ])
 def test_prompt_flags_are_checked(eval_run, kimi_target, flags, message):
-    proc = run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
-                      "--draft", eval_run / "untrained", *flags, check=False)
+    proc = run_in_process(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
+                          "--draft", eval_run / "untrained", *flags)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and last.startswith("error: ") and message in last, proc.stderr
 
@@ -234,8 +234,8 @@ def test_trained_draft_accepts_more_than_an_untrained_one(eval_run, kimi_target)
 
 
 def test_script_exits_1_with_one_line_on_a_bad_draft(eval_run, kimi_target):
-    proc = run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
-                      "--draft", kimi_target, check=False)
+    proc = run_in_process(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
+                          "--draft", kimi_target)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: draft ")
     assert "is not a speculators EAGLE-3 draft" in proc.stderr

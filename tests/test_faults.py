@@ -173,10 +173,12 @@ class Fault:
 
     @property
     def in_process(self) -> bool:
-        """A refusal (exit 1) with no signal or resource limit: the script's `main` runs in the test's
-        process (`run_in_process`, ~8 s of imports less per case). One refusal per script, and the lock
-        drill, keep a process of their own, so the `__main__` path stays covered end to end."""
-        return self.status == 1 and self.interrupt is None and self.file_size_limit is None and not self.own_process
+        """A refusal (exit 1) or a run that goes on past a skip (exit 0) with no signal or resource limit:
+        the script's `main` runs in the test's process (`run_in_process`, ~8 s of imports less per case).
+        One refusal per script, and the lock drill, keep a process of their own, so the `__main__` path
+        stays covered end to end (each script's successful runs as a process are in its own tests)."""
+        return (self.status in (0, 1) and self.interrupt is None and self.file_size_limit is None
+                and not self.own_process)
 
 
 def is_temporary(rel: str) -> bool:
