@@ -169,14 +169,16 @@ def test_draft_chain_equals_the_training_forward(models):
 
 
 class OracleProposer:
-    """Proposes the target's known greedy continuation with random corruptions, so every count
-    of accepted drafts (0..k) occurs; records the auxiliary states it is given."""
+    """Proposes the target's known greedy continuation with its n-th proposal wrong from token
+    (n + seed) mod (k + 1) on (none wrong at k), so every count of accepted drafts (0..k) occurs
+    whatever the target writes (random corruptions missed a count on a target whose answers
+    stopped early); records the auxiliary states it is given."""
 
     device = torch.device("cpu")
 
     def __init__(self, prompt: list[int], continuation: list[int], seed: int):
         self.sequence = prompt + continuation
-        self.rng = random.Random(seed)
+        self.proposals = seed
         self.reset()
 
     def start(self, prompt: list[int]) -> None:
@@ -194,7 +196,9 @@ class OracleProposer:
 
     def propose(self, k: int, sampling: SamplingParams, generator=None) -> Proposal:
         truth = (self.sequence[self.position:] + [0] * k)[:k]
-        return Proposal([t if self.rng.random() < 0.75 else (t + 1) % 4096 for t in truth])
+        right = self.proposals % (k + 1)
+        self.proposals += 1
+        return Proposal([t if i < right else (t + 1) % 4096 for i, t in enumerate(truth)])
 
 
 @pytest.mark.parametrize("name", ["kimi", "flat"])
