@@ -30,10 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from common.atomic import format_bytes
@@ -43,13 +39,13 @@ from common.errors import PipelineError
 from common.hidden_states.capture import (
     ExtractionRun,
     ExtractStats,
-    StateExtractor,
     check_token_ids,
     estimate_bytes,
     plan_batches,
     shard_batches,
     validate_layer_ids,
 )
+from common.hidden_states.engines import open_state_engine
 from common.hidden_states.files import (
     NUM_STATES,
     Journal,
@@ -65,12 +61,9 @@ from common.hidden_states.files import (
     shard_lock,
     write_manifest,
 )
-from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage
-from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of
+from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
 from common.runtime import Runtime, add_runtime_args
-from common.target.config import TargetInfo, load_target_info, weight_map
-from common.target.model import load_text_model
-from common.vllm.client import EngineSettings, VllmWorker
+from common.target.config import load_target_info, weight_map
 
 DEFAULT_BATCH_TOKENS = 8192
 
@@ -109,29 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_samples is not None and args.max_samples <= 0:
         raise PipelineError(f"--max-samples {args.max_samples}: must be positive")
     return args
-
-
-@contextmanager
-def open_extractor(runtime: Runtime, info: TargetInfo, trust_remote_code: bool, layer_ids: list[int],
-                   storage: StateStorage, out: Path, longest: int, batch_tokens: int,
-                   shard: tuple[int, int]) -> Iterator[StateExtractor | VllmStateExtractor]:
-    """The engine that computes the states: the target in this process (HF), or a vLLM worker
-    in its own environment, which writes through a scratch folder inside `out`."""
-    if not runtime.vllm:
-        model = load_text_model(info, runtime.dtype, runtime.device, runtime.device_map, runtime.max_memory,
-                                batch_tokens)
-        yield StateExtractor(model, layer_ids, storage)
-        return
-    settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, runtime.tensor_parallel_size,
-                                         runtime.vllm_dtype)
-    scratch = f".vllm-states-{shard[0]}-of-{shard[1]}-"
-    for stale in out.glob(scratch + "*"):  # left by a killed run of this shard
-        shutil.rmtree(stale, ignore_errors=True)
-    with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
-        settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
-        with VllmWorker(runtime.vllm_python, settings) as worker:
-            print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
-            yield VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if mine - done:
             show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
             with Journal(journal_path(out, args.shard_index, args.num_shards)) as journal, \
-                    open_extractor(runtime, info, trust_remote_code, layer_ids, storage, out, max(lengths.values()),
-                                   args.batch_tokens, (args.shard_index, args.num_shards)) as extractor:
+                    open_state_engine(runtime, info, trust_remote_code, layer_ids, storage, out, max(lengths.values()),
+                                      args.batch_tokens, (args.shard_index, args.num_shards)) as extractor:
                 run = ExtractionRun(extractor, ds, out, show_progress=show, journal=journal)
                 stats = run.run(batches, done, lengths)
 

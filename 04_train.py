@@ -43,10 +43,7 @@ from common.draft.model import (
     read_config_file,
     speculator_config,
 )
-from common.runtime import default_device
-from common.target.config import load_target_info
-from common.train.checkpoints import check_resumable, check_same_settings, numbered
-from common.train.data import (
+from common.hidden_states.loader import (
     SPLIT_FILE,
     check_data_fits,
     epoch_tokens,
@@ -55,6 +52,9 @@ from common.train.data import (
     split_data,
     split_record,
 )
+from common.runtime import default_device
+from common.target.config import load_target_info
+from common.train.checkpoints import check_resumable, check_same_settings, numbered
 from common.train.distributed import setup_distributed, teardown_distributed
 from common.train.metrics import (
     LOG_FILE,
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     # 4. data: the library's split, dataset, noise, packing sampler and collate
     train_files, val_files = split_data(data, settings)
     pin = device.type == "cuda"
-    skips = data.skip_tally()  # damaged files are skipped and counted, up to a share (common/train/sample_files.py)
+    skips = data.skip_tally()  # damaged files skipped and counted, up to a share (hidden_states/sample_files.py)
     train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin, tally=skips)
     val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin, skips) if val_files else None
     tokens = epoch_tokens(data, train_files, settings.total_seq_len)

@@ -29,8 +29,8 @@ from common.defaults import REPO_ROOT  # noqa: E402
 from common.draft import patch  # noqa: E402
 from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config  # noqa: E402
 from common.fixtures.targets import ensure_target  # noqa: E402
+from common.hidden_states.loader import epoch_tokens, load_hidden_states, make_loader, split_data  # noqa: E402
 from common.target.config import load_target_info  # noqa: E402
-from common.train.data import epoch_tokens, load_hidden_states, make_loader, split_data  # noqa: E402
 from common.train.settings import TrainSettings  # noqa: E402
 from common.train.trainer import trainer_config  # noqa: E402
 from common.vocab import load_vocab  # noqa: E402

@@ -43,9 +43,9 @@ from common.evaluate.measure import (  # noqa: E402
 )
 from common.evaluate.prompts import select_prompts  # noqa: E402
 from common.fixtures.targets import ensure_target  # noqa: E402
+from common.hidden_states.loader import load_hidden_states  # noqa: E402
 from common.target.config import load_target_info  # noqa: E402
 from common.target.model import load_text_model  # noqa: E402
-from common.train.data import load_hidden_states  # noqa: E402
 
 
 def run(run_dir: Path = DEFAULT_RUN_DIR, draft: Path | None = None, target: Path | None = None,

@@ -36,10 +36,10 @@ from common.draft.model import (
     read_saved_config,
 )
 from common.errors import PipelineError
+from common.hidden_states.loader import load_hidden_states, make_loader, split_data
 from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
 from common.train import checkpoints
-from common.train.data import load_hidden_states, make_loader, split_data
 from common.train.metrics import read_log, simulated_acceptance_length, validation_metrics
 from common.train.settings import TrainSettings
 from common.vocab import load_vocab

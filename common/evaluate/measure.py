@@ -42,9 +42,9 @@ from common.evaluate.prompt_sets import PromptItem
 from common.evaluate.prompts import ChatPrompter, Prompt, ask_turns
 from common.hidden_states.capture import capture_layers
 from common.hidden_states.files import sample_index
+from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
 from common.target.config import TargetInfo
 from common.target.model import decoder_parts
-from common.train.data import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
 from common.train.metrics import REPORT_FILE, ValSummary, validation_metrics
 from common.train.settings import TrainSettings
 
@@ -172,7 +172,7 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
     settings = TrainSettings(ttt_steps=k, noise_std=0.0, total_seq_len=total_seq_len, num_workers=0)
     loader = make_loader(data, files, settings, world_size=1, rank=0, train=False, pin_memory=False)
     summary = ValSummary.from_metrics(validation_metrics(draft, loader, device, settings), epoch=0)
-    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/train/sample_files.py)
+    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/hidden_states/sample_files.py)
     return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step,
             "full_acc": summary.full_acc,
             "cond_acc": summary.cond_acc, "simulated_acceptance_length": summary.acceptance_length,

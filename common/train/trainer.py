@@ -5,7 +5,7 @@ The subclass writes checkpoints a resumed run continues from exactly (fp32 state
 position; atomic; step checkpoints; mid-epoch resume: see common/train/checkpoints.py), builds the
 optimizer of `--optimizer` (common/train/optimizers.py) where the library builds its AdamW, feeds
 the TTT steps the dataset's tokens or the draft's (`--ttt-inputs`), times each epoch and reports at
-its end to the metrics log (common/train/metrics.py). The data path is common/train/data.py.
+its end to the metrics log (common/train/metrics.py). The data path is common/hidden_states/loader.py.
 """
 
 from __future__ import annotations

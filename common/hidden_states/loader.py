@@ -1,5 +1,5 @@
-"""Step 04's data path: step 02's hidden-state folder, checked, split and loaded through
-speculators 0.3.0's own data path.
+"""The read side of step 02's hidden-state folder, for 04 (training) and 05 (held-out figures):
+checked, split and loaded through speculators 0.3.0's own data path.
 
 `split_files` (train/validation by file), `Eagle3SampleFileDataset` with `standardize_data_v1`
 (step 02's files unchanged; fp8 files are dequantized first, see common/hidden_states/storage.py),
@@ -8,8 +8,8 @@ samples into sequences of `total_seq_len` tokens per rank, `create_collate_fn`. 
 each explained where made: the sampler gets the exact lengths of `sample_lengths.json` instead of
 the library's file-size estimate, the folder is checked first for anything the dataset would
 misread, and a file that cannot be loaded or does not match the manifests is skipped and counted
-instead of ending the run (common/train/sample_files.py). The sampler is subclassed only to start a pass after the batches a step checkpoint
-already trained.
+instead of ending the run (common/hidden_states/sample_files.py). The sampler is subclassed only
+to start a pass after the batches a step checkpoint already trained.
 """
 
 from __future__ import annotations
@@ -34,9 +34,15 @@ from common.atomic import read_json
 from common.draft.model import DraftShape
 from common.errors import PipelineError
 from common.hidden_states.files import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig, sample_index
+from common.hidden_states.sample_files import (
+    CheckedDataLoader,
+    CheckedSampleDataset,
+    SkipTally,
+    checked_collate,
+    first_line,
+)
 from common.hidden_states.storage import StateStorage, get_storage, standardize_fn
 from common.target.config import TargetInfo
-from common.train.sample_files import CheckedDataLoader, CheckedSampleDataset, SkipTally, checked_collate, first_line
 from common.train.settings import TrainSettings
 
 SPLIT_FILE = "validation_split.json"  # in the draft folder: which prepared rows 05 may treat as held out
@@ -54,7 +60,7 @@ class HiddenStateData:
         return list(self.lengths)
 
     def skip_tally(self, files: list[Path] | None = None) -> SkipTally:
-        """A tally of skipped files among `files` (default: all; common/train/sample_files.py),
+        """A tally of skipped files among `files` (default: all; common/hidden_states/sample_files.py),
         told of those already found damaged."""
         files = self.files if files is None else files
         tally = SkipTally(len(files))
@@ -68,7 +74,7 @@ def load_hidden_states(folder: str | Path) -> HiddenStateData:
     """Step 02's folder, checked for what would make speculators' dataset misread it: every
     file it loads (any name ending in `pt`) must be a listed `data_{i}.pt`, and the first
     readable one must hold the four states of the hidden size `data_config.json` declares. Files
-    cut short are noted in `unreadable` (skipped when loaded, see common/train/sample_files.py)."""
+    cut short are noted in `unreadable` (skipped when loaded, see common/hidden_states/sample_files.py)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise PipelineError(f"hidden states {folder}: no such folder (run 02_extract_hidden_states.py first)")
@@ -155,7 +161,7 @@ def split_data(data: HiddenStateData, settings: TrainSettings) -> tuple[list[Pat
 def make_loader(data: HiddenStateData, files: list[Path], settings: TrainSettings, world_size: int, rank: int,
                 train: bool, pin_memory: bool, tally: SkipTally | None = None) -> DataLoader:
     """The library's data path over `files`, with damaged files skipped and counted in `tally`
-    (common/train/sample_files.py; a fresh one for the data when None)."""
+    (common/hidden_states/sample_files.py; a fresh one for the data when None)."""
     transform = (AddUniformNoise(std=settings.noise_std, tensors=("hidden_states",))
                  if train and settings.noise_std > 0 else None)
     # 02 recorded the exact lengths; the library would estimate them from file sizes.

@@ -1,4 +1,4 @@
-"""common/train/data.py: the hidden-state folder checks, the split and the library's loader."""
+"""common/hidden_states/loader.py: the hidden-state folder checks, the split and the library's loader."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from helpers import write_hidden_states
 
 from common.errors import PipelineError
-from common.train.data import load_hidden_states, split_data
+from common.hidden_states.loader import load_hidden_states, split_data
 from common.train.settings import TrainSettings
 
 

@@ -9,8 +9,8 @@ from helpers import write_hidden_states
 from common.draft.model import TINY_CONFIG, read_config_file
 from common.errors import PipelineError
 from common.hidden_states.files import sample_path
-from common.train.data import load_hidden_states, make_loader
-from common.train.sample_files import MIN_SKIPPED_LIMIT, SkipTally
+from common.hidden_states.loader import load_hidden_states, make_loader
+from common.hidden_states.sample_files import MIN_SKIPPED_LIMIT, SkipTally
 from common.train.settings import TrainSettings
 
 SEQ = 64  # one sample per batch (samples are 48..54 tokens long)

@@ -1,0 +1,46 @@
+"""The engines that compute the hidden states, behind one call: the target in this process
+(transformers, loaded as `Runtime` says: device map, max memory, INT4 experts kept packed) or a
+vLLM worker in vLLM's own environment (common/vllm/client.py). Both take batches of token-id lists
+and return each sample's four states encoded for storage (`StoredStates`)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from common.hidden_states.capture import StateExtractor
+from common.hidden_states.storage import StateStorage
+from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of
+from common.runtime import Runtime
+from common.target.config import TargetInfo
+from common.target.model import load_text_model
+from common.vllm.client import EngineSettings, VllmWorker
+
+__all__ = ["open_state_engine"]
+
+
+@contextmanager
+def open_state_engine(runtime: Runtime, info: TargetInfo, trust_remote_code: bool, layer_ids: list[int],
+                      storage: StateStorage, out: Path, longest: int, batch_tokens: int,
+                      shard: tuple[int, int]) -> Iterator[StateExtractor | VllmStateExtractor]:
+    """The engine of `runtime`, open for the `with` block. vLLM writes its states through a scratch
+    folder inside `out` (one per shard, removed at the end; one left by a killed run is removed
+    first); `longest` (tokens) sizes its context."""
+    if not runtime.vllm:
+        model = load_text_model(info, runtime.dtype, runtime.device, runtime.device_map, runtime.max_memory,
+                                batch_tokens)
+        yield StateExtractor(model, layer_ids, storage)
+        return
+    settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, runtime.tensor_parallel_size,
+                                         runtime.vllm_dtype)
+    scratch = f".vllm-states-{shard[0]}-of-{shard[1]}-"
+    for stale in out.glob(scratch + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
+        settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
+        with VllmWorker(runtime.vllm_python, settings) as worker:
+            print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
+            yield VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)
