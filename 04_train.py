@@ -54,7 +54,7 @@ from common.hidden_states.loader import (
 )
 from common.runtime import default_device
 from common.target.config import load_target_info
-from common.train.checkpoints import check_resumable, check_same_settings, numbered
+from common.train.checkpoints import check_resumable, check_same_settings, numbered, split_warning
 from common.train.distributed import setup_distributed, teardown_distributed
 from common.train.metrics import (
     LOG_FILE,
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     resume = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
     if resume is not None:
         check_same_settings(resume, vars(settings))  # applied from the resumed step, or refused
+        if (warning := split_warning(resume)) is not None:
+            say(warning)
     start_epoch = resume.epoch if resume is not None else 0
     if distributed:
         torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside

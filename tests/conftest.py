@@ -117,13 +117,15 @@ def models(kimi_target, flat_target):
 
 # --- running the suite on several cores (pytest-xdist, `-n auto --dist loadgroup` in pytest.ini) ---------
 
-# Minutes a group of tests took on 2 shared cores (two warm runs of the whole suite, the mean of each
-# group's test times in --junitxml): the scheduler hands out the longest first, so no long group starts
-# last while the other worker idles. A group not listed counts as long.
-GROUP_MINUTES = {"faults.outcomes": 10.4, "vllm.flat_run": 8.6, "05_evaluate.eval_run": 6.2,
-                 "vllm.kimi_hf_turns": 3.5, "04_train.small_data": 2.3, "04_train.trained": 2.1,
-                 "00_regenerate.hf_fp32": 1.9, "vllm.kimi_states": 1.6, "02_extract.extracted": 1.2,
-                 "00_regenerate.kimi": 0.8}
+# Minutes a group of tests took on 2 shared cores (a warm run of the whole suite, each group's test
+# times summed from --junitxml; 2026-12-04): the scheduler hands out the longest first, so no long group
+# starts last while the other worker idles. A group not listed counts as long; the last ones take seconds.
+GROUP_MINUTES = {"vllm.flat_run": 6.1, "faults.outcomes": 5.5, "05_evaluate.eval_run": 3.2,
+                 "04_train.small_data": 2.3, "vllm.kimi_hf_turns": 2.0, "00_regenerate.hf_fp32": 1.9,
+                 "04_train.trained": 1.6, "vllm.kimi_states": 1.2, "00_regenerate.kimi": 0.7,
+                 "02_extract.extracted": 0.5, "03_vocab.config_target": 0.1, "measure.flat_turns": 0.1,
+                 "int4_experts.int4_model": 0.1, "01_prepare.bad_run": 0.1, "client.infos": 0.1,
+                 "device_plan.meta_model": 0.1, "conversations.formats": 0.1}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -144,6 +144,7 @@ def validation_data(run: TrainedRun) -> ValData:
 def test_resume_after_sigkill_continues_from_the_next_epoch(trained):
     assert f"epoch 1/{EPOCHS}:" in trained.killed_stdout
     assert "resuming after checkpoint" in trained.resumed_stdout
+    assert "split the data by prepared row" not in trained.resumed_stdout  # its own checkpoint, the same split
     assert f"epoch {EPOCHS}/{EPOCHS}" in trained.resumed_stdout
     assert "epoch 1/" not in trained.resumed_stdout  # epoch 1 was not trained again
     ckpts = trained.run / "checkpoints"
@@ -239,13 +240,14 @@ def test_exported_draft_is_speculators_format(trained):
 def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     val = validation_data(trained)
     cpu = torch.device("cpu")
+    report = json.loads((trained.run / "train_report.json").read_text())
+    best = report["best_validation"]
+    # The pass of the exported checkpoint's epoch: the packing, and so the mean over batches, follows the epoch.
     reloaded = validation_metrics(load_draft(trained.run / "draft", trust_remote_code=True), val.loader, cpu,
-                                  val.settings)
+                                  val.settings, epoch=best["epoch"])
 
     # the exported checkpoint (the best by validation simulated acceptance length, saved in fp32), built
     # the library's way
-    report = json.loads((trained.run / "train_report.json").read_text())
-    best = report["best_validation"]
     exported = Path(report["exported_checkpoint"])
     assert exported == trained.run / "checkpoints" / str(best["epoch"])
     vals = [r for r in read_log(trained.run / "train_log.jsonl") if "val" in r]
@@ -257,7 +259,7 @@ def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     for name, tensor in model.state_dict().items():  # the export's one change: bf16
         if tensor.is_floating_point() and name not in NOT_EXPORTED:
             tensor.copy_(tensor.to(torch.bfloat16))
-    assert reloaded == validation_metrics(model, val.loader, cpu, val.settings)
+    assert reloaded == validation_metrics(model, val.loader, cpu, val.settings, epoch=best["epoch"])
 
     logged = next(r["val"] for r in vals if r["epoch"] == best["epoch"])
     assert reloaded["loss"] == pytest.approx(logged["loss_epoch"], rel=0.02)  # trained in fp32, exported in bf16

@@ -1,31 +1,29 @@
 """The read side of step 02's hidden-state folder, for 04 (training) and 05 (held-out figures):
 checked, split and loaded through speculators 0.3.0's own data path.
 
-`split_files` (train/validation by file), `Eagle3SampleFileDataset` with `standardize_data_v1`
+`split_files`'s seeded shuffle (train/validation), `Eagle3SampleFileDataset` with `standardize_data_v1`
 (step 02's files unchanged; fp8 files are dequantized first, see common/hidden_states/storage.py),
 `AddUniformNoise` on the training auxiliary states, `MultipackDistributedBatchSamplerV2` packing
-samples into sequences of `total_seq_len` tokens per rank, `create_collate_fn`. Three adjustments,
-each explained where made: the sampler gets the exact lengths of `sample_lengths.json` instead of
-the library's file-size estimate, the folder is checked first for anything the dataset would
-misread, and a file that cannot be loaded or does not match the manifests is skipped and counted
-instead of ending the run (common/hidden_states/sample_files.py). The sampler is subclassed only
-to start a pass after the batches a step checkpoint already trained.
+samples into sequences of `total_seq_len` tokens per rank, `create_collate_fn`. Four adjustments,
+each explained where made: the split shuffles prepared rows, not the folder's listing order; the
+sampler gets the exact lengths of `sample_lengths.json` instead of the library's file-size
+estimate; the folder is checked first for anything the dataset would misread; and a file that
+cannot be loaded or does not match the manifests is skipped and counted instead of ending the run
+(common/hidden_states/sample_files.py). The sampler is subclassed only to start a pass after the
+batches a step checkpoint already trained.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from speculators.train.data import (
-    create_collate_fn,
-    list_files,
-    split_files,
-)
+from speculators.train.data import create_collate_fn, list_files
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators.train.noise_transforms import AddUniformNoise
 from torch.utils.data import DataLoader
@@ -149,13 +147,25 @@ def check_data_fits(data: HiddenStateData, shape: DraftShape, config_path: Path,
                             f"EAGLE-3 needs {NUM_STATES - 1}")
 
 
+def split_rows(rows: list[int], val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
+    """The library's split (`split_files`: a seeded shuffle, its first `1 - val_ratio` for training)
+    over prepared rows in ascending order. The library shuffles the folder's listing order, which is
+    the filesystem's (hash order on ext4, creation order on tmpfs): the same folder on another disk
+    would split differently and a resumed run there train on other rows."""
+    order = sorted(rows)
+    random.Random(seed).shuffle(order)
+    cut = int(len(order) * (1 - val_ratio))
+    return order[:cut], order[cut:]
+
+
 def split_data(data: HiddenStateData, settings: TrainSettings) -> tuple[list[Path], list[Path]]:
-    """The library's `split_files` (a shuffle of the folder's files, seeded by `--split-seed`)."""
-    train, val = split_files(str(data.folder), ratio=1 - settings.val_ratio, seed=settings.split_seed)
+    """Training and validation files, split by prepared row (`split_rows`, seeded by `--split-seed`)."""
+    by_row = {sample_index(f): f for f in data.files}
+    train, val = split_rows(list(by_row), settings.val_ratio, settings.split_seed)
     if not train:
         raise PipelineError(f"hidden states {data.folder}: {len(val)} samples leave none for training "
                             f"at --val-ratio {settings.val_ratio}")
-    return train, val
+    return [by_row[i] for i in train], [by_row[i] for i in val]
 
 
 def make_loader(data: HiddenStateData, files: list[Path], settings: TrainSettings, world_size: int, rank: int,

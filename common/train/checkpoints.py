@@ -34,7 +34,8 @@ from common.errors import PipelineError
 
 STEPS = "steps"  # sub-folder of the checkpoints folder holding the step checkpoints
 STATE_FILE = "trainer_state.json"
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+SPLIT_BY_ROW_FORMAT = 2  # from this format on, the run split its data by prepared row (loader.py's split_rows)
 KEEP_STEP_CHECKPOINTS = 2
 # Training settings a resumed run may change: each takes effect from the resumed step.
 CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every")
@@ -120,6 +121,17 @@ def write_state(folder: Path, position: Position, rank: int, settings: dict | No
     torch.save(capture_rng(), folder / rng_file(rank))
     if rank == 0:
         write_json(folder / STATE_FILE, {"format": STATE_FORMAT, **asdict(position), "settings": settings})
+
+
+def split_warning(point: ResumePoint) -> str | None:
+    """A warning for a checkpoint written before the split by prepared row (state format 1, or an
+    earlier version's without a state): its validation rows followed the folder's listing order, so
+    the resumed run may hold out other rows. None for a checkpoint of this version."""
+    path = point.folder / STATE_FILE
+    if path.is_file() and read_json(path).get("format", 1) >= SPLIT_BY_ROW_FORMAT:
+        return None
+    return (f"warning: checkpoint {point.folder} was written before 04 split the data by prepared row: the rows "
+            "it held out for validation may differ from this run's (05 measures the exported draft's own split)")
 
 
 def read_position(folder: Path) -> Position | None:

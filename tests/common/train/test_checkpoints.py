@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.atomic import read_json, write_json
 from common.errors import PipelineError
 from common.train import checkpoints
 
@@ -44,6 +45,20 @@ def test_mid_epoch_position_of_another_packing_is_refused(tmp_path):
     with pytest.raises(PipelineError, match=r"step checkpoint .*40 was taken with 32 batches per epoch on 2 rank\(s\), "
                                             r"this run has 16 on 4"):
         checkpoints.check_resumable(point, 16, 4)
+
+
+def test_checkpoint_of_the_listing_order_split_is_named_on_resume(tmp_path):
+    """Checkpoints written before the split by prepared row (format 1, or none) held out rows in the
+    folder's listing order: a resumed run is told its validation rows may differ."""
+    folder = write_position(tmp_path / "0", checkpoints.Position(0, 4, 4, True))
+    assert checkpoints.split_warning(checkpoints.ResumePoint(folder, checkpoints.read_position(folder))) is None
+    state = read_json(folder / checkpoints.STATE_FILE)
+    write_json(folder / checkpoints.STATE_FILE, state | {"format": 1})
+    for point in (checkpoints.ResumePoint(folder, checkpoints.read_position(folder)),
+                  checkpoints.ResumePoint(tmp_path / "1", None)):  # an earlier version's: no state at all
+        warning = checkpoints.split_warning(point)
+        assert warning.startswith(f"warning: checkpoint {point.folder} was written before 04 split the data by "
+                                  "prepared row")
 
 
 def test_rng_state_round_trip(tmp_path):
