@@ -150,7 +150,7 @@ def check_data_fits(data: HiddenStateData, shape: DraftShape, config_path: Path,
 def split_rows(rows: list[int], val_ratio: float, seed: int) -> tuple[list[int], list[int]]:
     """The library's split (`split_files`: a seeded shuffle, its first `1 - val_ratio` for training)
     over prepared rows in ascending order. The library shuffles the folder's listing order, which is
-    the filesystem's (hash order on ext4, creation order on tmpfs): the same folder on another disk
+    the filesystem's (hash order on ext4, reverse creation order on tmpfs): the same folder on another disk
     would split differently and a resumed run there train on other rows."""
     order = sorted(rows)
     random.Random(seed).shuffle(order)

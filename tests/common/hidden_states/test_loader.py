@@ -42,7 +42,7 @@ def test_the_split_is_the_same_whatever_order_the_folder_lists(tmp_path, flat_ta
     data_dir = write_hidden_states(tmp_path / "hs", flat_target, num_samples=20)
     files = sorted(p.relative_to(data_dir) for p in data_dir.rglob("*") if p.is_file())
     copies = []
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:  # tmpfs: the listing order is the creation order's
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:  # tmpfs lists in reverse creation order
         for name, order in (("up", files), ("down", files[::-1])):
             for file in order:
                 (Path(shm) / name / file).parent.mkdir(parents=True, exist_ok=True)
