@@ -37,6 +37,7 @@ from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.data.prepared_dataset import check_prepared_target, load_prepared
 from common.errors import PipelineError
 from common.hidden_states.capture import (
+    DEFAULT_BATCH_TOKENS,
     ExtractionRun,
     ExtractStats,
     check_token_ids,
@@ -64,8 +65,6 @@ from common.hidden_states.files import (
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
 from common.runtime import Runtime, add_runtime_args
 from common.target.config import load_target_info, weight_map
-
-DEFAULT_BATCH_TOKENS = 8192
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

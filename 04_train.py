@@ -27,11 +27,13 @@ uninterrupted run would (common/train/checkpoints.py). Also OUTPUT/draft/ (bf16)
 from __future__ import annotations
 
 import argparse
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.errors import PipelineError
 from common.data.fingerprints import check_same_prepared
 from common.draft import patch
 from common.draft.model import (
@@ -43,8 +45,10 @@ from common.draft.model import (
     read_config_file,
     speculator_config,
 )
+from common.hidden_states.capture import DEFAULT_BATCH_TOKENS, validate_layer_ids
 from common.hidden_states.loader import (
     SPLIT_FILE,
+    HiddenStateData,
     check_data_fits,
     epoch_tokens,
     load_hidden_states,
@@ -52,9 +56,18 @@ from common.hidden_states.loader import (
     split_data,
     split_record,
 )
-from common.runtime import default_device
-from common.target.config import load_target_info
-from common.train.checkpoints import check_resumable, check_same_settings, numbered, split_warning
+from common.hidden_states.online import DEFAULT_PREFETCH, StateEngineError, open_online_states
+from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
+from common.runtime import Runtime, add_runtime_args, default_device
+from common.target.config import TargetInfo, load_target_info
+from common.target.device_plan import parse_size
+from common.train.checkpoints import (
+    check_resumable,
+    check_same_settings,
+    last_checkpoint_note,
+    numbered,
+    split_warning,
+)
 from common.train.distributed import setup_distributed, teardown_distributed
 from common.train.metrics import (
     LOG_FILE,
@@ -104,7 +117,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="cpu, cuda or cuda:N (default: cuda if available; torchrun: one GPU per rank)")
     training.add_argument("--no-compile", action="store_true",
                           help="run the draft's forward eagerly on GPU too (it is always eager on CPU)")
-    return parser.parse_args(argv)
+    online = parser.add_argument_group(
+        "online (--online: the target computes each batch's hidden states as the draft trains; no 02 needed)")
+    online.add_argument("--online", action="store_true",
+                        help="compute the hidden states of 01's prepared rows with the target during training "
+                             "instead of reading 02's files (same layer ids, dtype and storage rounding as 02)")
+    online.add_argument("--prepared", type=Path, default=None,
+                        help="--online: prepared dataset of 01 (default: RUN_DIR/prepared)")
+    online.add_argument("--max-samples", type=int, default=None, help="--online: only the first N prepared rows")
+    online.add_argument("--layer-ids", type=int, nargs="+", default=None, metavar="I",
+                        help="--online: three auxiliary layer ids, vLLM convention (default: 2 N//2 N-3, as 02)")
+    online.add_argument("--storage", choices=sorted(STORAGES), default=None,
+                        help="--online: round the states as 02 --storage would store them (default: bf16)")
+    online.add_argument("--batch-tokens", type=int, default=None,
+                        help=f"--online: padded tokens per forward pass of the target (default: {DEFAULT_BATCH_TOKENS})")
+    online.add_argument("--prefetch", type=int, default=None, metavar="N",
+                        help=f"--online: batches whose states are computed ahead of the one training (default: "
+                             f"{DEFAULT_PREFETCH}, at least 1); they hold N x total_seq_len x 4 x hidden x 2 bytes "
+                             "of host memory (Kimi-K2.5, 8,192 tokens: 470 MB per batch)")
+    online.add_argument("--max-disk", default=None, metavar="SIZE",
+                        help="--online: keep the states of the first samples computed as 02's files in "
+                             "RUN_DIR/hidden_states up to SIZE (bytes, or 500G, 5T, 2TiB), read by later epochs; "
+                             "the rest are computed in every epoch (default: 0, none kept)")
+    add_runtime_args(parser, "--online: compute the states", device=False)
+    args = parser.parse_args(argv)
+    check_online_flags(args)
+    return args
+
+
+ONLINE_ONLY = ("prepared", "max_samples", "layer_ids", "storage", "batch_tokens", "prefetch", "max_disk", "dtype",
+               "device_map", "max_memory", "vllm_python")
+
+
+def check_online_flags(args: argparse.Namespace) -> None:
+    """Flags of the online engine need --online; --online reads no 02 folder."""
+    if args.online:
+        if args.data is not None:
+            raise PipelineError(f"--data {args.data}: --online computes the hidden states (pass --prepared)")
+        for flag, value in (("--prefetch", args.prefetch), ("--batch-tokens", args.batch_tokens),
+                            ("--max-samples", args.max_samples)):
+            if value is not None and value < 1:
+                raise PipelineError(f"{flag} {value}: must be at least 1")
+        args.max_disk = parse_size(args.max_disk, "--max-disk") if args.max_disk is not None else 0
+        return
+    given = [k for k in ONLINE_ONLY if getattr(args, k, None) is not None]
+    given += ["engine"] if args.engine != "hf" else []
+    given += ["tensor_parallel_size"] if args.tensor_parallel_size != 1 else []
+    if given:
+        raise PipelineError(f"--{given[0].replace('_', '-')} needs --online (04 reads 02's files otherwise)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,100 +185,123 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output or args.run_dir)
     data_dir, vocab_dir = stage_dir(args, "hidden_states", args.data), stage_dir(args, "vocab", args.vocab)
 
-    # 2. inputs: target, vocabulary maps, hidden states, each checked against the others
+    # 2. inputs: target, vocabulary maps, hidden states (02's files, or the target computing them), each
+    #    checked against the others
     info = load_target_info(target, trust_remote_code)
     vocab = load_vocab(vocab_dir, info.vocab_size)
-    data = load_hidden_states(data_dir)
     check_draft_fits(config_file.model, config_file.path, info, vocab.d2t.numel(), vocab_dir)
-    check_data_fits(data, config_file.model, config_file.path, info)
-    check_same_prepared(("hidden states", data_dir), ("vocabulary", vocab_dir),
-                        (data.config.prepared_fingerprint, vocab.report.prepared_fingerprint))
+    with open_states(args, info, trust_remote_code, data_dir, output, rank, world_size) as data:
+        check_data_fits(data, config_file.model, config_file.path, info)
+        check_same_prepared(("hidden states", data_dir), ("vocabulary", vocab_dir),
+                            (data.config.prepared_fingerprint, vocab.report.prepared_fingerprint))
 
-    # 3. draft model, and the epoch to start at
-    config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
-    resume = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
-    if resume is not None:
-        check_same_settings(resume, vars(settings))  # applied from the resumed step, or refused
-        if (warning := split_warning(resume)) is not None:
-            say(warning)
-    start_epoch = resume.epoch if resume is not None else 0
-    if distributed:
-        torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside
-    torch.manual_seed(settings.seed)
-    model = build_draft(config, vocab.t2d, vocab.d2t)
-    prepare_draft(model, settings)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    say(f"draft: {config.transformer_layer_config.num_hidden_layers} layer(s), hidden {info.hidden_size}, "
-        f"draft vocabulary {vocab.d2t.numel():,} of {info.vocab_size:,}, {params:,} trainable parameters, "
-        f"aux layers {data.config.layer_ids}, rope theta {config.transformer_layer_config.rope_theta}, on {device}")
-    say(f"recipe: {settings.optimizer}" + (f" (Muon lr {settings.muon_lr or settings.lr:g}, AdamW lr {settings.lr:g})"
-                                             if settings.optimizer == "muon" else f" (lr {settings.lr:g})")
-        + f", TTT steps fed the {'dataset' if settings.ttt_inputs == 'dataset' else 'draft'}'s tokens, init "
-        f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}")
+        # 3. draft model, and the epoch to start at
+        config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
+        resume = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
+        if resume is not None:
+            check_same_settings(resume, vars(settings))  # applied from the resumed step, or refused
+            if (warning := split_warning(resume)) is not None:
+                say(warning)
+        start_epoch = resume.epoch if resume is not None else 0
+        if distributed:
+            torch.distributed.barrier()  # rank 0 may have moved an earlier run's checkpoints aside
+        torch.manual_seed(settings.seed)
+        model = build_draft(config, vocab.t2d, vocab.d2t)
+        prepare_draft(model, settings)
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        say(f"draft: {config.transformer_layer_config.num_hidden_layers} layer(s), hidden {info.hidden_size}, "
+            f"draft vocabulary {vocab.d2t.numel():,} of {info.vocab_size:,}, {params:,} trainable parameters, "
+            f"aux layers {data.config.layer_ids}, rope theta {config.transformer_layer_config.rope_theta}, on {device}")
+        say(f"recipe: {settings.optimizer}" + (f" (Muon lr {settings.muon_lr or settings.lr:g}, AdamW lr {settings.lr:g})"
+                                                 if settings.optimizer == "muon" else f" (lr {settings.lr:g})")
+            + f", TTT steps fed the {'dataset' if settings.ttt_inputs == 'dataset' else 'draft'}'s tokens, init "
+            f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}")
 
-    # 4. data: the library's split, dataset, noise, packing sampler and collate
-    train_files, val_files = split_data(data, settings)
-    pin = device.type == "cuda"
-    skips = data.skip_tally()  # damaged files skipped and counted, up to a share (hidden_states/sample_files.py)
-    train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin, tally=skips)
-    val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin, skips) if val_files else None
-    tokens = epoch_tokens(data, train_files, settings.total_seq_len)
-    say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
-        f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
-    if resume is not None:
-        check_resumable(resume, len(train_loader), world_size)
-    if resume is not None and start_epoch < settings.epochs:
-        say(f"resuming after {resume.describe(settings.epochs)}")
+        # 4. data: the library's split, dataset, noise, packing sampler and collate
+        train_files, val_files = split_data(data, settings)
+        pin = device.type == "cuda"
+        skips = data.skip_tally()  # damaged files skipped and counted, up to a share (hidden_states/sample_files.py)
+        train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin, tally=skips)
+        val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin, skips) if val_files else None
+        tokens = epoch_tokens(data, train_files, settings.total_seq_len)
+        say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
+            f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
+        if resume is not None:
+            check_resumable(resume, len(train_loader), world_size)
+        if resume is not None and start_epoch < settings.epochs:
+            say(f"resuming after {resume.describe(settings.epochs)}")
 
-    # 5. training
-    start_step = resume.position.global_step if resume is not None and resume.skip_batches else None
-    log = (MetricsLog(output / LOG_FILE, start_epoch, settings.epochs, len(train_loader), tokens, start_step)
-           if is_main else None)
-    with metrics_logging(log):
-        trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume, distributed,
-                                                       device),
-                                 settings, train_loader, val_loader, log, resume)
-        trainer.run_training()
-    teardown_distributed()
-    if not is_main:
+        # 5. training
+        start_step = resume.position.global_step if resume is not None and resume.skip_batches else None
+        log = (MetricsLog(output / LOG_FILE, start_epoch, settings.epochs, len(train_loader), tokens, start_step)
+               if is_main else None)
+        with metrics_logging(log):
+            trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume, distributed,
+                                                           device),
+                                     settings, train_loader, val_loader, log, resume)
+            try:
+                trainer.run_training()
+            except StateEngineError as e:
+                raise PipelineError(f"{e}; {last_checkpoint_note(output / CHECKPOINTS)}") from e
+        teardown_distributed()
+        if not is_main:
+            return 0
+
+        # 6. export the best checkpoint by validation simulated acceptance length (the last without validation)
+        epochs = numbered(output / CHECKPOINTS)
+        records = read_log(output / LOG_FILE)
+        best = best_validation(records, epochs)
+        chosen = best.epoch if best else epochs[-1]
+        because = ("best validation simulated acceptance length" if best
+                   else "last checkpoint (no validation pass: --val-ratio 0)")
+        draft_dir = export_draft(output / CHECKPOINTS / str(chosen), config, output / DRAFT,
+                                 {SPLIT_FILE: split_record(data, train_files, val_files, settings, output / DRAFT)})
+        print(f"exported checkpoint {output / CHECKPOINTS / str(chosen)} ({because}"
+              + (f": {best.acceptance_length:.3f} after epoch {best.epoch + 1})" if best else ")"))
+
+        # 7. summary
+        validation = last_validation(records)
+        for line in validation.lines() if validation else ["no validation pass (--val-ratio 0)"]:
+            print(line)
+        report = TrainReport(
+            target=info.path, data=str(data_dir), vocab=str(vocab_dir), draft_config=str(config_file.path),
+            settings=vars(settings), train_samples=len(train_files), val_samples=len(val_files), tokens_per_epoch=tokens,
+            epochs_run=list(range(start_epoch, settings.epochs)),
+            tokens_per_second=tokens / trainer.train_seconds if trainer.train_seconds else 0.0,
+            checkpoints=[str(output / CHECKPOINTS / str(e)) for e in epochs], draft=str(draft_dir),
+            log=str(output / LOG_FILE), plot=str(output / PLOT_FILE),
+            validation=vars(validation) if validation else None, overrides=overrides,
+            exported_checkpoint=str(output / CHECKPOINTS / str(chosen)), exported_because=because,
+            best_validation=vars(best) if best else None, skipped_files=skips.skipped,
+            online=data.summary() if args.online else None,
+            state_wait_seconds={str(e + 1): w for e, w in trainer.state_waits.items()})
+        report_path = report.save(output)
+        print(f"trained epochs {start_epoch + 1}-{settings.epochs} of {settings.epochs} on {len(train_files):,} samples "
+              f"({tokens:,} tokens per epoch, {report.tokens_per_second:,.0f} tok/s in the last epoch)"
+              if report.epochs_run else f"nothing to train: all {settings.epochs} epochs have checkpoints")
+        if skips.skipped:
+            print(f"skipped {len(skips.skipped):,} of {len(data.files):,} {skips.what} that could not be used "
+                  f"(listed in {report_path}; {skips.remedy})")
+        if args.online:
+            print(data.describe())
+        print(f"outputs: {draft_dir} (draft), {output / CHECKPOINTS} ({len(epochs)} checkpoints), "
+              f"{output / LOG_FILE}, {output / PLOT_FILE}, {report_path}")
         return 0
 
-    # 6. export the best checkpoint by validation simulated acceptance length (the last without validation)
-    epochs = numbered(output / CHECKPOINTS)
-    records = read_log(output / LOG_FILE)
-    best = best_validation(records, epochs)
-    chosen = best.epoch if best else epochs[-1]
-    because = ("best validation simulated acceptance length" if best
-               else "last checkpoint (no validation pass: --val-ratio 0)")
-    draft_dir = export_draft(output / CHECKPOINTS / str(chosen), config, output / DRAFT,
-                             {SPLIT_FILE: split_record(data, train_files, val_files, settings, output / DRAFT)})
-    print(f"exported checkpoint {output / CHECKPOINTS / str(chosen)} ({because}"
-          + (f": {best.acceptance_length:.3f} after epoch {best.epoch + 1})" if best else ")"))
 
-    # 7. summary
-    validation = last_validation(records)
-    for line in validation.lines() if validation else ["no validation pass (--val-ratio 0)"]:
-        print(line)
-    report = TrainReport(
-        target=info.path, data=str(data_dir), vocab=str(vocab_dir), draft_config=str(config_file.path),
-        settings=vars(settings), train_samples=len(train_files), val_samples=len(val_files), tokens_per_epoch=tokens,
-        epochs_run=list(range(start_epoch, settings.epochs)),
-        tokens_per_second=tokens / trainer.train_seconds if trainer.train_seconds else 0.0,
-        checkpoints=[str(output / CHECKPOINTS / str(e)) for e in epochs], draft=str(draft_dir),
-        log=str(output / LOG_FILE), plot=str(output / PLOT_FILE),
-        validation=vars(validation) if validation else None, overrides=overrides,
-        exported_checkpoint=str(output / CHECKPOINTS / str(chosen)), exported_because=because,
-        best_validation=vars(best) if best else None, skipped_files=skips.skipped)
-    report_path = report.save(output)
-    print(f"trained epochs {start_epoch + 1}-{settings.epochs} of {settings.epochs} on {len(train_files):,} samples "
-          f"({tokens:,} tokens per epoch, {report.tokens_per_second:,.0f} tok/s in the last epoch)"
-          if report.epochs_run else f"nothing to train: all {settings.epochs} epochs have checkpoints")
-    if skips.skipped:
-        print(f"skipped {len(skips.skipped):,} of {len(data.files):,} hidden-state files that could not be used "
-              f"(listed in {report_path}; 02_extract_hidden_states.py --verify redoes them)")
-    print(f"outputs: {draft_dir} (draft), {output / CHECKPOINTS} ({len(epochs)} checkpoints), "
-          f"{output / LOG_FILE}, {output / PLOT_FILE}, {report_path}")
-    return 0
+
+def open_states(args: argparse.Namespace, info: TargetInfo, trust_remote_code: bool, data_dir: Path, output: Path,
+                rank: int, world_size: int) -> AbstractContextManager[HiddenStateData]:
+    """Where the states come from: 02's folder, or (--online) the target's engine, open for the run."""
+    if not args.online:
+        return nullcontext(load_hidden_states(data_dir))
+    runtime = Runtime.from_args(args)
+    runtime.check_target(info)
+    layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
+    return open_online_states(stage_dir(args, "prepared", args.prepared), data_dir, info, runtime, trust_remote_code,
+                              layer_ids, STORAGES[args.storage or DEFAULT_STORAGE],
+                              args.batch_tokens or DEFAULT_BATCH_TOKENS, args.prefetch or DEFAULT_PREFETCH,
+                              args.max_disk, args.max_samples, output, rank, world_size)
 
 
 if __name__ == "__main__":

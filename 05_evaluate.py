@@ -173,6 +173,9 @@ def evaluate(args: argparse.Namespace) -> int:
     data = load_hidden_states(data_dir) if args.data is not None or data_dir.is_dir() else None
     if data is None and args.offline_only:
         raise PipelineError(f"--offline-only: no hidden states at {data_dir} (run 02 or pass --data)")
+    if data is None:
+        print(f"offline metrics skipped: no hidden states at {data_dir} (04 --online keeps none unless --max-disk; "
+              "02 writes them); the acceptance length is measured by decoding")
     split = held_out(draft_dirs["draft"], data, args.max_samples)
     prompts, skipped = held_out_prompts(args, info, split) if sets is None else ([], 0)
     print(f"target {info.path} ({info.text_architecture}, {info.num_layers} layers); k = {', '.join(map(str, ks))}; "

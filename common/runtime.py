@@ -95,8 +95,9 @@ class Runtime:
 
 
 def add_runtime_args(parser: argparse.ArgumentParser, what: str, *, device_map: bool = True,
-                     url: bool = False) -> None:
-    """The engine, placement and dtype flags of a stage that runs the target (`what` it does with it)."""
+                     url: bool = False, device: bool = True) -> None:
+    """The engine, placement and dtype flags of a stage that runs the target (`what` it does with it).
+    `device=False`: the stage has its own `--device` (04's, for the draft and the target alike)."""
     group = parser.add_argument_group("engine and placement")
     group.add_argument("--engine", choices=ENGINES, default="hf",
                        help=f"{what} with transformers (hf, default) or with vLLM from its own environment")
@@ -112,8 +113,9 @@ def add_runtime_args(parser: argparse.ArgumentParser, what: str, *, device_map: 
     group.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="compute dtype (default: bf16 on a GPU and with --engine vllm, fp32 on the CPU)")
     placement = group.add_mutually_exclusive_group()
-    placement.add_argument("--device", default=None,
-                           help="hf engine: e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if a GPU is present)")
+    if device:
+        placement.add_argument("--device", default=None,
+                               help="hf engine: e.g. cuda:0 or cpu (default: cuda:LOCAL_RANK if a GPU is present)")
     if device_map:
         placement.add_argument("--device-map", choices=["auto"], default=None,
                                help="spread one large target over all visible GPUs (planned from its packed sizes; "

@@ -148,6 +148,31 @@ def vllm_server(python: Path, target: Path, log: Path, *flags: str, dtype: str =
             server.wait(timeout=120)
 
 
+def kill_after_step_checkpoint(cmd: list[str | Path], steps: Path, timeout: float = 600) -> None:
+    """Start `cmd` (04, or torchrun running it), SIGKILL it and every process it started as soon
+    as a step checkpoint is in place (a file, not a timer)."""
+    proc = subprocess.Popen([*map(str, cmd)], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + timeout
+    while not any(p.name.isdigit() for p in steps.glob("*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in [*descendants(proc.pid), proc.pid]:  # torchrun's ranks would otherwise train on
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "04 ended on its own before it was killed"
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
 # --- stage folders from random data ----------------------------------------------------------
 
 

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_in_process, run_script, write_hidden_states, write_vocab_folder
+from helpers import (
+    kill_after_step_checkpoint,
+    run_in_process,
+    run_script,
+    write_hidden_states,
+    write_vocab_folder,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -318,31 +324,6 @@ def test_trains_on_fp8_data_through_the_library_loader(tmp_path, kimi_target, ca
 
 
 # --- resuming mid-epoch equals an uninterrupted run --------------------------------------------
-
-
-def kill_after_step_checkpoint(cmd: list[str | Path], steps: Path, timeout: float = 600) -> None:
-    """Start `cmd` (04, or torchrun running it), SIGKILL it and every process it started as soon
-    as a step checkpoint is in place (a file, not a timer)."""
-    proc = subprocess.Popen([*map(str, cmd)], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + timeout
-    while not checkpoints.numbered(steps) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for pid in [*descendants(proc.pid), proc.pid]:  # torchrun's ranks would otherwise train on
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "04 ended on its own before it was killed"
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        for child in (task / "children").read_text().split():
-            found += [int(child), *descendants(int(child))]
-    return found
 
 
 @pytest.fixture(scope="module")

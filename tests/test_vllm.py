@@ -19,13 +19,19 @@ absence a failure.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_turns, read_regenerated, run_in_process, run_script, vllm_server
+from helpers import assert_same_turns, descendants, read_regenerated, run_in_process, run_script, vllm_server
 
+from common.defaults import REPO_ROOT
 from common.hidden_states.vllm_states import rms_norm
 from common.vllm.client import _log_cause
 
@@ -151,6 +157,40 @@ def test_draft_vllm_refuses_is_one_line(flat_run, flat_target, tmp_path):
     # 05's own measurement was printed and written before the engine started: nothing is lost
     assert "measured acceptance length" in proc.stdout and f"wrote {report}" in proc.stdout
     assert json.loads(report.read_text())["measured_acceptance_length"] >= 1.0
+
+
+@pytest.mark.slow
+def test_04_online_on_the_vllm_worker_killed_mid_run_then_resumed(flat_run, flat_target, tmp_path):
+    """04 --online --engine vllm: the worker computes the states as the draft trains. Killed after
+    the first step checkpoint, the run ends in one line naming the vLLM engine and that checkpoint;
+    --resume starts a new worker and finishes the run (two engine starts)."""
+    args = ["04_train.py", "--run-dir", flat_run, "--target", flat_target, "--draft-config", "configs/draft_tiny.json",
+            "--output", tmp_path, "--online", "--engine", "vllm", "--epochs", "2", "--total-seq-len", "256",
+            "--save-every", "2"]
+    log = tmp_path / "killed.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO_ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, **ENV}, text=True)
+        deadline = time.monotonic() + 900
+        while not list((tmp_path / "checkpoints" / "steps").glob("[0-9]*")) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [pid for pid in descendants(proc.pid)
+                   if "common.vllm.worker" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        assert workers, f"no vLLM worker under 04:\n{log.read_text()}"
+        os.kill(workers[0], signal.SIGKILL)
+        proc.wait(timeout=300)
+    lines = log.read_text().strip().splitlines()
+    assert proc.returncode == 1, "\n".join(lines[-20:])
+    assert lines[-1].startswith("error: the target's engine (vLLM (own engine, bfloat16)) failed computing the "
+                                "hidden states of prepared rows"), lines[-1]
+    assert f"the last checkpoint kept is {tmp_path / 'checkpoints' / 'steps'}" in lines[-1]
+    resumed = run_script(*args, "--resume", env=ENV, timeout=1200).stdout
+    assert "resuming after step checkpoint" in resumed and "started in" in resumed
+    assert "online: the target's engine (vLLM (own engine, bfloat16))" in resumed
+    report = json.loads((tmp_path / "train_report.json").read_text())
+    assert report["epochs_run"] == [0, 1] and report["online"]["computed_samples"] > 0
+    assert not list(tmp_path.glob(".vllm-states-*")), "the engine's scratch folder is left behind"
 
 
 # --- the Kimi-style miniature: MLA, DeepSeek-V3 MoE, nested multimodal config -----------------

@@ -32,6 +32,7 @@ from common.hidden_states.files import NUM_STATES, Journal, file_digest, ids_dig
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
 from common.target.model import decoder_parts
 
+DEFAULT_BATCH_TOKENS = 8192  # padded tokens per forward pass (02 and 04 --online --batch-tokens)
 WRITE_THREADS = 4  # file writes overlap the next forward pass
 MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten samples
 # Skipping is for the odd bad sample; past these limits the failures are systematic (a bug, a
@@ -217,7 +218,7 @@ class ExtractionRun:
                     continue
                 # The whole planned batch runs again even if some of it is done, so a resumed run
                 # computes exactly what an uninterrupted one would.
-                for sample, states in self._extract(self._load(batch)):
+                for sample, states in self.extract(self.load(batch)):
                     if sample.index in todo:
                         self.digests[sample.index] = ids_digest(sample.input_ids)
                         pending.append(pool.submit(_write, self.out, sample, states))
@@ -232,7 +233,8 @@ class ExtractionRun:
         self.stats.seconds = time.perf_counter() - start
         return self.stats
 
-    def _load(self, batch: list[int]) -> list[Sample]:
+    def load(self, batch: list[int]) -> list[Sample]:
+        """The prepared rows of `batch`; a row whose ids and mask differ in length is skipped and listed."""
         rows = self.rows[batch]
         samples = [Sample(i, str(sid), ids, mask) for i, sid, ids, mask
                    in zip(batch, rows["sample_id"], rows["input_ids"], rows["loss_mask"])]
@@ -244,7 +246,7 @@ class ExtractionRun:
                 good.append(sample)
         return good
 
-    def _extract(self, samples: list[Sample]) -> list[tuple[Sample, StoredStates]]:
+    def extract(self, samples: list[Sample]) -> list[tuple[Sample, StoredStates]]:
         """The batch's states. Out of memory, the batch is split in halves down to single samples,
         and a sample out of memory alone is skipped and listed; any other error stops the run."""
         if not samples:
@@ -261,7 +263,7 @@ class ExtractionRun:
                 self._fail(samples[0], _first_line(error))
                 return []
             half = len(samples) // 2
-            return self._extract(samples[:half]) + self._extract(samples[half:])
+            return self.extract(samples[:half]) + self.extract(samples[half:])
         self.skipped_in_a_row = 0
         return list(zip(samples, states))
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from speculators.train.data import create_collate_fn, list_files
@@ -56,6 +57,18 @@ class HiddenStateData:
     @property
     def files(self) -> list[Path]:
         return list(self.lengths)
+
+    def dataset(self, files: list[Path], max_len: int, transform: Callable | None) -> CheckedSampleDataset:
+        """The library's file dataset over `files`, with 02's exact lengths (the library would
+        estimate them from file sizes) and damaged files skipped (sample_files.py)."""
+        return CheckedSampleDataset(files, [self.lengths[Path(f)] for f in files], self.config.hidden_size, max_len,
+                                    transform, standardize_fn(self.config.storage))
+
+    def batch_sampler(self, dataset: CheckedSampleDataset, **kwargs: Any) -> ResumableBatchSampler:
+        return ResumableBatchSampler(lengths=dataset.approx_lengths, **kwargs)
+
+    def num_workers(self, settings: TrainSettings) -> int:
+        return settings.num_workers
 
     def skip_tally(self, files: list[Path] | None = None) -> SkipTally:
         """A tally of skipped files among `files` (default: all; common/hidden_states/sample_files.py),
@@ -174,12 +187,10 @@ def make_loader(data: HiddenStateData, files: list[Path], settings: TrainSetting
     (common/hidden_states/sample_files.py; a fresh one for the data when None)."""
     transform = (AddUniformNoise(std=settings.noise_std, tensors=("hidden_states",))
                  if train and settings.noise_std > 0 else None)
-    # 02 recorded the exact lengths; the library would estimate them from file sizes.
-    dataset = CheckedSampleDataset(files, [data.lengths[Path(f)] for f in files], data.config.hidden_size,
-                                   settings.total_seq_len, transform, standardize_fn(data.config.storage))
-    sampler = ResumableBatchSampler(batch_max_length=settings.total_seq_len, lengths=dataset.approx_lengths,
-                                    num_replicas=world_size, rank=rank, seed=settings.seed)
-    workers = settings.num_workers
+    dataset = data.dataset(files, settings.total_seq_len, transform)
+    sampler = data.batch_sampler(dataset, batch_max_length=settings.total_seq_len, num_replicas=world_size, rank=rank,
+                                 seed=settings.seed)
+    workers = data.num_workers(settings)
     return CheckedDataLoader(dataset, tally if tally is not None else data.skip_tally(files), batch_sampler=sampler,
                              num_workers=workers, pin_memory=pin_memory,
                              collate_fn=checked_collate(create_collate_fn(settings.total_seq_len)),

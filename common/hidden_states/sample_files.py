@@ -46,9 +46,11 @@ class SkipTally:
     """The files skipped so far (path -> reason), each named once; a `PipelineError` once they
     exceed the limit for `total` files."""
 
-    def __init__(self, total: int, what: str = "hidden-state files") -> None:
+    def __init__(self, total: int, what: str = "hidden-state files",
+                 remedy: str = "02_extract_hidden_states.py --verify redoes them") -> None:
         self.total = total
         self.what = what
+        self.remedy = remedy
         self.limit = max(MIN_SKIPPED_LIMIT, int(MAX_SKIPPED_SHARE * total))
         self.skipped: dict[str, str] = {}
 
@@ -58,11 +60,11 @@ class SkipTally:
             return
         self.skipped[path] = reason
         tqdm.write(f"warning: skipped {path}: {reason} ({len(self.skipped)} of {self.total:,} {self.what} skipped "
-                   f"so far, limit {self.limit}; 02_extract_hidden_states.py --verify redoes them)", file=sys.stderr)
+                   f"so far, limit {self.limit}; {self.remedy})", file=sys.stderr)
         if len(self.skipped) > self.limit:
             raise PipelineError(f"{len(self.skipped)} of {self.total:,} {self.what} could not be used (more than the "
-                                f"limit of {self.limit}), the last {path}: {reason}; run 02_extract_hidden_states.py "
-                                "--verify to redo them. Checkpoints written so far are kept")
+                                f"limit of {self.limit}), the last {path}: {reason} ({self.remedy}). Checkpoints "
+                                "written so far are kept")
 
     def add_batch(self, entries: list[tuple[str, str]]) -> None:
         for path, reason in entries:
@@ -88,13 +90,25 @@ class CheckedSampleDataset(Eagle3SampleFileDataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         try:
-            sample = super().__getitem__(index)
+            sample = self.load(index)
             problem = self.mismatch(sample, self.lengths[index] - 1)
         except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, it is skipped the same way
-            problem = f"cannot be loaded ({first_line(e)})"
+            problem = self.failure(e)
         if problem is None:
             return sample
-        return self.placeholder(self.lengths[index] - 1, (str(self.data[index]), problem))
+        return self.placeholder(self.lengths[index] - 1, (self.name(index), problem))
+
+    def name(self, index: int) -> str:
+        """How a skipped sample is named (its file)."""
+        return str(self.data[index])
+
+    def failure(self, error: Exception) -> str:
+        """Why loading a sample failed, for the skip message."""
+        return f"cannot be loaded ({first_line(error)})"
+
+    def load(self, index: int) -> dict[str, Any]:
+        """Sample `index` as the library loads it (its file, standardized, transformed, shifted)."""
+        return super().__getitem__(index)
 
     def mismatch(self, sample: dict[str, Any], n: int) -> str | None:
         """What in a loaded (and shifted) sample differs from the manifests, or None."""

@@ -22,9 +22,10 @@ from common.target.int4_experts import PackedLinear
 
 GIB = 1024**3
 ACTIVATION_SAFETY = 2.0  # allocator fragmentation and short-lived temporaries (softmax, casts, index_add)
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|K|M|G|T|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+# A bare K/M/G/T is decimal, as disks are sold (a "5T" NVMe holds 5 x 10^12 bytes).
+_UNITS = {"B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 class DevicePlanError(PipelineError, ValueError):

@@ -209,6 +209,14 @@ def latest(root: Path) -> ResumePoint | None:
     return max(candidates, key=lambda c: c[:2])[2] if candidates else None
 
 
+def last_checkpoint_note(root: Path) -> str:
+    """Where a run that failed can continue: the checkpoint `--resume` would take, if any."""
+    point = latest(root)
+    if point is None:
+        return f"no checkpoint was written to {root} yet; run again to start over"
+    return f"the last checkpoint kept is {point.folder}; run again with --resume to continue from it"
+
+
 def prune_steps(root: Path, keep: int = KEEP_STEP_CHECKPOINTS) -> None:
     """Delete all but the last `keep` step checkpoints."""
     for step in numbered(root / STEPS)[:-keep]:

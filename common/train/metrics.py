@@ -85,8 +85,9 @@ class MetricsLog(logging.Handler):
         self.bar = tqdm(total=self.steps_per_epoch, initial=done, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
         self.train_losses, self.last_val = (self.resumed_losses if done else []), None
 
-    def epoch_done(self, epoch: int, train_seconds: float) -> None:
-        """One fixed-format line per epoch, and a fresh plot."""
+    def epoch_done(self, epoch: int, train_seconds: float, wait_seconds: float | None = None) -> None:
+        """One fixed-format line per epoch, and a fresh plot. `wait_seconds`: the time the trainer
+        waited for hidden states computed online (None offline)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -95,7 +96,9 @@ class MetricsLog(logging.Handler):
             accs = "/".join(f"{v:.3f}" for v in per_step(self.last_val, "full_acc"))
             line += f", val loss {self.last_val['loss']:.4f}, val acc {accs}"
         rate = self.tokens_per_epoch / train_seconds if train_seconds else 0.0
-        tqdm.write(f"{line}, {train_seconds:.1f}s, {rate:,.0f} tok/s")
+        waited = (f", waited {wait_seconds:.1f}s for hidden states ({wait_seconds / train_seconds:.0%})"
+                  if wait_seconds is not None and train_seconds else "")
+        tqdm.write(f"{line}, {train_seconds:.1f}s, {rate:,.0f} tok/s{waited}")
         plot_metrics(read_log(self.path), self.path.with_name(PLOT_FILE))
 
     def close(self) -> None:
@@ -260,7 +263,9 @@ class TrainReport:
     exported_checkpoint: str | None = None  # the checkpoint the draft folder was exported from
     exported_because: str = ""  # "best validation simulated acceptance length", or why the last one
     best_validation: dict | None = None  # ValSummary of the exported checkpoint's validation pass
-    skipped_files: dict[str, str] = field(default_factory=dict)  # hidden-state files not used: why
+    skipped_files: dict[str, str] = field(default_factory=dict)  # hidden-state files (online: rows) not used: why
+    online: dict | None = None  # --online: engine, prefetch, states computed, seconds spent
+    state_wait_seconds: dict[str, float] = field(default_factory=dict)  # --online: epoch (1-based) -> waited for states
 
     def save(self, folder: Path) -> Path:
         write_json(folder / REPORT_FILE, asdict(self))

@@ -128,6 +128,8 @@ class ProjectTrainer(Trainer):
         self.progress = progress
         self.save_every = settings.save_every
         self.train_seconds = 0.0
+        self.wait_seconds: float | None = None  # of the last epoch, when the states are computed online
+        self.state_waits: dict[int, float] = {}  # epoch -> wait_seconds
 
     def setup_trainer(self) -> None:
         """The epoch and step to start at (the library's version looks at epoch folders only)."""
@@ -199,6 +201,9 @@ class ProjectTrainer(Trainer):
         finally:
             self.train_loader = loader
         self.train_seconds = time.perf_counter() - start
+        self.wait_seconds = getattr(loader.batch_sampler, "wait_seconds", None)  # online sources measure it
+        if self.wait_seconds is not None:
+            self.state_waits[epoch] = self.wait_seconds
 
     def epoch_batches(self, loader: DataLoader, epoch: int) -> Iterator[dict]:
         """The epoch's batches, after those a resumed step checkpoint already trained, with a step
@@ -224,7 +229,7 @@ class ProjectTrainer(Trainer):
     def save_checkpoint(self, epoch: int) -> None:
         self.save_staged(self.checkpointer.path, self.position(epoch, len(self.train_loader), True))
         if self.progress is not None:
-            self.progress.epoch_done(epoch, self.train_seconds)
+            self.progress.epoch_done(epoch, self.train_seconds, self.wait_seconds)
 
     def position(self, epoch: int, batches_done: int, epoch_complete: bool) -> Position:
         world_size = dist.get_world_size() if self.is_distributed else 1

@@ -33,6 +33,7 @@ def meta_model(kimi_target):
 def test_sizes_and_budgets_parse():
     assert parse_size("141GiB") == 141 * GIB and parse_size("80GB") == 80 * 10**9 and parse_size("1024") == 1024
     assert parse_size("1.5TiB") == int(1.5 * 2**40)
+    assert parse_size("500G") == 500 * 10**9 and parse_size("5T") == 5 * 10**12  # bare: decimal, as disks are sold
     assert parse_max_memory("100GiB", GPUS[:2]) == {"cuda:0": 100 * GIB, "cuda:1": 100 * GIB}
     assert parse_max_memory("0=10GiB,1=20GiB", GPUS) == {"cuda:0": 10 * GIB, "cuda:1": 20 * GIB}
     with pytest.raises(DevicePlanError, match="--max-memory 'lots'"):
