@@ -139,6 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--online: keep the states of the first samples computed as 02's files in "
                              "RUN_DIR/hidden_states up to SIZE (bytes, or 500G, 5T, 2TiB), read by later epochs; "
                              "the rest are computed in every epoch (default: 0, none kept)")
+    online.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                        help="--online --engine vllm on GPUs: vLLM's share of each GPU, the rest trains the draft "
+                             "beside it (default: vLLM's 0.9; bench/plan_kimi_k25.py --online prints the share "
+                             "Kimi-K2.5 needs)")
     add_runtime_args(parser, "--online: compute the states", device=False)
     args = parser.parse_args(argv)
     check_online_flags(args)
@@ -146,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 ONLINE_ONLY = ("prepared", "max_samples", "layer_ids", "storage", "batch_tokens", "prefetch", "max_disk", "dtype",
-               "device_map", "max_memory", "vllm_python")
+               "device_map", "max_memory", "vllm_python", "gpu_memory_utilization")
 
 
 def check_online_flags(args: argparse.Namespace) -> None:
@@ -159,6 +163,10 @@ def check_online_flags(args: argparse.Namespace) -> None:
             if value is not None and value < 1:
                 raise PipelineError(f"{flag} {value}: must be at least 1")
         args.max_disk = parse_size(args.max_disk, "--max-disk") if args.max_disk is not None else 0
+        fraction = args.gpu_memory_utilization
+        if fraction is not None and (args.engine != "vllm" or not 0 < fraction < 1):
+            raise PipelineError(f"--gpu-memory-utilization {fraction}: a share in (0, 1) of each GPU for "
+                                "--engine vllm")
         return
     given = [k for k in ONLINE_ONLY if getattr(args, k, None) is not None]
     given += ["engine"] if args.engine != "hf" else []
@@ -297,11 +305,16 @@ def open_states(args: argparse.Namespace, info: TargetInfo, trust_remote_code: b
         return nullcontext(load_hidden_states(data_dir))
     runtime = Runtime.from_args(args)
     runtime.check_target(info)
+    if runtime.vllm and world_size > 1 and torch.cuda.is_available():
+        raise PipelineError(f"--online --engine vllm under torchrun would start {world_size} engines on the same GPUs "
+                            "(an engine shared by the ranks is not built yet): run one process, the draft on one GPU "
+                            "beside vLLM (--tensor-parallel-size, --gpu-memory-utilization)")
     layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
     return open_online_states(stage_dir(args, "prepared", args.prepared), data_dir, info, runtime, trust_remote_code,
                               layer_ids, STORAGES[args.storage or DEFAULT_STORAGE],
                               args.batch_tokens or DEFAULT_BATCH_TOKENS, args.prefetch or DEFAULT_PREFETCH,
-                              args.max_disk, args.max_samples, output, rank, world_size)
+                              args.max_disk, args.max_samples, output, rank, world_size,
+                              args.gpu_memory_utilization)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def plan_online(total_weights: int, hf_plan: str, total_seq_len: int, prefetch: 
     target_prefill = 2 * KIMI_ACTIVE_PARAMS  # FLOPs per token (attention at 2K tokens adds a few %)
     draft_step = 6 * DRAFT_TRAINABLE * TTT_STEPS  # forward + backward per token and TTT step
     train, activations = draft_training_bytes(total_seq_len, 8)
+    single, _ = draft_training_bytes(total_seq_len, 1)
     window = prefetch * total_seq_len * 4 * HIDDEN * 2
     vllm = total_weights / 8 + VLLM_OVERHEAD
     print(f"\n04 --online, --total-seq-len {total_seq_len:,}, --prefetch {prefetch}:")
@@ -117,10 +118,15 @@ def plan_online(total_weights: int, hf_plan: str, total_seq_len: int, prefetch: 
         rate_shared = 8 * peak / (target_prefill / PREFILL_MFU + draft_step / TRAIN_MFU)
         rate_two = min(8 * peak * PREFILL_MFU / target_prefill, 8 * peak * TRAIN_MFU / draft_step)
         print(f"  {host}:")
-        print(f"    one host, vLLM beside the 8 ranks: {shared / 1e9:.1f} GB of {memory / 1e9:.0f} GB per GPU: {fits} "
+        print(f"    one host, one engine shared by 8 ranks (not built yet): {shared / 1e9:.1f} GB of {memory / 1e9:.0f} GB per GPU: {fits} "
               f"(vLLM --gpu-memory-utilization {vllm / memory:.2f}); ~{rate_shared:,.0f} tokens/s "
               f"({rate_shared / 8:,.0f} per GPU), "
               f"500K x 2,048 tokens x 3 epochs in ~{tokens / rate_shared / 3600:.0f} h")
+        rate_one = min(8 * peak * PREFILL_MFU / target_prefill, peak * TRAIN_MFU / draft_step)
+        print(f"    today's 04 --online --engine vllm (one process, the draft on cuda:0 beside vLLM TP8): cuda:0 holds "
+              f"{(vllm + single) / 1e9:.1f} GB of {memory / 1e9:.0f} GB "
+              f"({'fits' if vllm + single <= memory * 0.95 else 'does NOT fit'}); ~{rate_one:,.0f} tokens/s "
+              f"(one GPU trains), ~{tokens / rate_one / 3600:.0f} h")
         print(f"    two hosts, the target (TP8) on one, the trainer on the other: target {vllm / 1e9:.1f} GB, trainer "
               f"{train / 1e9:.1f} GB per GPU; ~{rate_two:,.0f} tokens/s (the slower side), ~{tokens / rate_two / 3600:.0f} h")
     print(f"  utilisation assumed: draft training {TRAIN_MFU:.0%}, target prefill {PREFILL_MFU:.0%} of the bf16 peak. "

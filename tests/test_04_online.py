@@ -188,8 +188,29 @@ def load_row_ids(prepared: Path, row: int) -> list[int]:
     (["--online", "--data", "somewhere"], "error: --data somewhere: --online computes the hidden states"),
     (["--online", "--prefetch", "0"], "error: --prefetch 0: must be at least 1"),
     (["--online", "--max-disk", "5 parsecs"], "error: --max-disk '5 parsecs': expected a size"),
+    (["--online", "--gpu-memory-utilization", "0.5"], "error: --gpu-memory-utilization 0.5: a share in (0, 1) of "
+                                                      "each GPU for --engine vllm"),
 ])
 def test_online_flags_are_checked(flat_target, tmp_path, flags, message):
     done = run_in_process(SCRIPT, "--run-dir", tmp_path, "--target", flat_target, "--draft-config", TINY_CONFIG,
                           *flags)
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(message), done.stderr
+
+
+@pytest.mark.slow
+def test_05_on_an_online_run_measures_without_hidden_states(runs, tmp_path):
+    """05 on the online run folder (no RUN/hidden_states): one line says the offline figures are
+    skipped; the measured acceptance length on the held-out rows is what 05 measures for the same
+    draft trained offline (where it also has the offline figures)."""
+    flags = ["--target", runs.target, "--prepared", runs.offline / "prepared", "--max-prompts", "3",
+             "--max-new-tokens", "12", "--no-baselines"]
+    online = run_in_process("05_evaluate.py", "--run-dir", runs.online, *flags, "--json", tmp_path / "online.json",
+                            check=True)
+    offline = run_in_process("05_evaluate.py", "--run-dir", runs.offline, *flags, "--json", tmp_path / "offline.json",
+                             check=True)
+    assert f"offline metrics skipped: no hidden states at {runs.online / 'hidden_states'}" in online.stdout
+    assert "offline metrics skipped" not in offline.stdout
+    mine, theirs = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("online", "offline"))
+    assert mine["simulated_acceptance_length"] is None and theirs["simulated_acceptance_length"] is not None
+    assert mine["measured_acceptance_length"] == theirs["measured_acceptance_length"] >= 1.0
+    assert mine["prompts"] == theirs["prompts"] == 3 and mine["identical_to_greedy"] is True

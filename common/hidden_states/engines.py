@@ -25,10 +25,12 @@ __all__ = ["open_state_engine"]
 @contextmanager
 def open_state_engine(runtime: Runtime, info: TargetInfo, trust_remote_code: bool, layer_ids: list[int],
                       storage: StateStorage, out: Path, longest: int, batch_tokens: int,
-                      shard: tuple[int, int]) -> Iterator[StateExtractor | VllmStateExtractor]:
+                      shard: tuple[int, int], gpu_memory_utilization: float | None = None
+                      ) -> Iterator[StateExtractor | VllmStateExtractor]:
     """The engine of `runtime`, open for the `with` block. vLLM writes its states through a scratch
     folder inside `out` (one per shard, removed at the end; one left by a killed run is removed
-    first); `longest` (tokens) sizes its context."""
+    first); `longest` (tokens) sizes its context; `gpu_memory_utilization` caps its share of each GPU
+    (04 --online trains beside it)."""
     if not runtime.vllm:
         model = load_text_model(info, runtime.dtype, runtime.device, runtime.device_map, runtime.max_memory,
                                 batch_tokens)
@@ -41,6 +43,7 @@ def open_state_engine(runtime: Runtime, info: TargetInfo, trust_remote_code: boo
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
         settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
+        settings.gpu_memory_utilization = gpu_memory_utilization
         with VllmWorker(runtime.vllm_python, settings) as worker:
             print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
             yield VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)

@@ -299,7 +299,8 @@ class PrefetchingBatchSampler(ResumableBatchSampler):
 @contextmanager
 def open_online_states(prepared_dir: Path, folder: Path, info: TargetInfo, runtime: Runtime, trust_remote_code: bool,
                        layer_ids: list[int], storage: StateStorage, batch_tokens: int, prefetch: int, max_disk: int,
-                       max_samples: int | None, scratch: Path, rank: int, world_size: int) -> Iterator[OnlineStates]:
+                       max_samples: int | None, scratch: Path, rank: int, world_size: int,
+                       gpu_memory_utilization: float | None = None) -> Iterator[OnlineStates]:
     """01's prepared rows (checked against the target as 02 checks them) with the engine of
     `runtime` open to compute their states, for the `with` block. `folder` is where 02 would
     write them, and where `--max-disk` keeps some."""
@@ -312,7 +313,7 @@ def open_online_states(prepared_dir: Path, folder: Path, info: TargetInfo, runti
     config = new_data_config(info, layer_ids, runtime.compute_dtype, prepared_dir, report, storage)
     kept = KeptStates(folder, config, max_disk, lengths, rank, world_size) if max_disk > 0 else None
     with open_state_engine(runtime, info, trust_remote_code, layer_ids, storage, scratch, max(lengths.values()),
-                           batch_tokens, (rank, world_size)) as extractor:
+                           batch_tokens, (rank, world_size), gpu_memory_utilization) as extractor:
         run = ExtractionRun(extractor, ds, folder, show_progress=False)
         run.skip_limit = max(MIN_SKIPPED_LIMIT, int(MAX_SKIPPED_SHARE * num_rows))
         yield OnlineStates(folder, config, {sample_path(folder, i): n for i, n in lengths.items()}, run=run,

@@ -163,6 +163,7 @@ class EngineSettings:
     storage: str | None = None
     draft: str | None = None
     num_speculative_tokens: int = 0
+    gpu_memory_utilization: float | None = None  # vLLM's share of each GPU (default: vLLM's 0.9); unused on CPU
     target: TargetInfo | None = None  # the target's facts, for `check_servable` (not sent to the worker)
 
     @classmethod

@@ -35,6 +35,8 @@ def engine_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
     }
     if settings.get("kv_cache_bytes"):  # on CPU a fixed size, not a share of the host's memory
         kwargs["kv_cache_memory_bytes"] = settings["kv_cache_bytes"]
+    elif settings.get("gpu_memory_utilization"):  # 04 --online: the rest of each GPU trains the draft
+        kwargs["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
     if settings["language_model_only"]:
         kwargs["language_model_only"] = True
     if settings.get("extract_layer_ids"):

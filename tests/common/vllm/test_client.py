@@ -80,3 +80,17 @@ def test_worker_and_connector_import_in_the_vllm_environment(vllm_python):
     probe = subprocess.run([str(vllm_python), "-c", "import common.vllm.worker, common.vllm.cpu_connector; print('ok')"],
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert probe.stdout.strip().splitlines()[-1:] == ["ok"], probe.stderr[-2000:]
+
+
+def test_the_engine_s_share_of_each_gpu_reaches_vllm_on_a_gpu_only(infos):
+    """04 --online --gpu-memory-utilization: vLLM takes that share of each GPU (the draft trains in the
+    rest); on a CPU the KV cache stays a fixed size."""
+    from common.vllm.worker import engine_kwargs
+
+    settings = EngineSettings.for_target(infos["flat"], 256, False)
+    settings.gpu_memory_utilization = 0.55
+    for device, expected in (("cuda", {"gpu_memory_utilization": 0.55}), ("cpu", {})):
+        settings.device = device
+        kwargs = engine_kwargs(json.loads(settings.as_json()))
+        assert {k: kwargs[k] for k in ("gpu_memory_utilization",) if k in kwargs} == expected
+        assert ("kv_cache_memory_bytes" in kwargs) == (device == "cpu")
