@@ -143,14 +143,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--online --engine vllm on GPUs: vLLM's share of each GPU, the rest trains the draft "
                              "beside it (default: vLLM's 0.9; bench/plan_kimi_k25.py --online prints the share "
                              "Kimi-K2.5 needs)")
-    add_runtime_args(parser, "--online: compute the states", device=False)
+    add_runtime_args(parser, "--online: compute the states", device=False, url=True,
+                     url_help="--online --engine vllm: a hidden-state server all ranks share (started with "
+                              "scripts/serve_hidden_states.py, e.g. http://host:8100) instead of an engine per rank")
     args = parser.parse_args(argv)
     check_online_flags(args)
     return args
 
 
 ONLINE_ONLY = ("prepared", "max_samples", "layer_ids", "storage", "batch_tokens", "prefetch", "max_disk", "dtype",
-               "device_map", "max_memory", "vllm_python", "gpu_memory_utilization")
+               "device_map", "max_memory", "vllm_python", "vllm_url", "gpu_memory_utilization")
 
 
 def check_online_flags(args: argparse.Namespace) -> None:
@@ -164,9 +166,9 @@ def check_online_flags(args: argparse.Namespace) -> None:
                 raise PipelineError(f"{flag} {value}: must be at least 1")
         args.max_disk = parse_size(args.max_disk, "--max-disk") if args.max_disk is not None else 0
         fraction = args.gpu_memory_utilization
-        if fraction is not None and (args.engine != "vllm" or not 0 < fraction < 1):
+        if fraction is not None and (args.engine != "vllm" or args.vllm_url or not 0 < fraction < 1):
             raise PipelineError(f"--gpu-memory-utilization {fraction}: a share in (0, 1) of each GPU for "
-                                "--engine vllm")
+                                "--engine vllm (a server by --vllm-url takes it at its start)")
         return
     given = [k for k in ONLINE_ONLY if getattr(args, k, None) is not None]
     given += ["engine"] if args.engine != "hf" else []
@@ -305,10 +307,9 @@ def open_states(args: argparse.Namespace, info: TargetInfo, trust_remote_code: b
         return nullcontext(load_hidden_states(data_dir))
     runtime = Runtime.from_args(args)
     runtime.check_target(info)
-    if runtime.vllm and world_size > 1 and torch.cuda.is_available():
-        raise PipelineError(f"--online --engine vllm under torchrun would start {world_size} engines on the same GPUs "
-                            "(an engine shared by the ranks is not built yet): run one process, the draft on one GPU "
-                            "beside vLLM (--tensor-parallel-size, --gpu-memory-utilization)")
+    if runtime.vllm and not runtime.vllm_url and world_size > 1 and torch.cuda.is_available():
+        raise PipelineError(f"--online --engine vllm under torchrun would start {world_size} engines on the same GPUs: "
+                            "start one with scripts/serve_hidden_states.py and pass --vllm-url to share it")
     layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
     return open_online_states(stage_dir(args, "prepared", args.prepared), data_dir, info, runtime, trust_remote_code,
                               layer_ids, STORAGES[args.storage or DEFAULT_STORAGE],

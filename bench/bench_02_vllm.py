@@ -30,7 +30,8 @@ from datasets import Dataset  # noqa: E402
 
 from common.fixtures.targets import ensure_target  # noqa: E402
 from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
-from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of  # noqa: E402
+from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES  # noqa: E402
+from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of, worker_fetch  # noqa: E402
 from common.target.config import load_target_info  # noqa: E402
 from common.target.model import load_text_model  # noqa: E402
 from common.vllm.client import EngineSettings, VllmWorker, check_vllm_python  # noqa: E402
@@ -60,7 +61,7 @@ def run(samples: int = 200, repeats: int = 3, batch_tokens: int = 2048, target: 
         settings = EngineSettings.for_target(info, max(map(len, ids)) + 1, trust_remote_code=False)
         settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], storage
         with VllmWorker(python, settings) as worker:
-            served = VllmStateExtractor(worker, layer_ids, final_norm_of(info))
+            served = VllmStateExtractor(worker_fetch(worker), layer_ids, final_norm_of(info), STORAGES[DEFAULT_STORAGE])
             times = [(extract(hf, ids, batch_tokens), extract(served, ids, batch_tokens)) for _ in range(repeats)]
             start = worker.start_seconds
     hf_s, vllm_s = (statistics.median(t[j] for t in times) for j in (0, 1))

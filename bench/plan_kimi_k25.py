@@ -118,12 +118,12 @@ def plan_online(total_weights: int, hf_plan: str, total_seq_len: int, prefetch: 
         rate_shared = 8 * peak / (target_prefill / PREFILL_MFU + draft_step / TRAIN_MFU)
         rate_two = min(8 * peak * PREFILL_MFU / target_prefill, 8 * peak * TRAIN_MFU / draft_step)
         print(f"  {host}:")
-        print(f"    one host, one engine shared by 8 ranks (not built yet): {shared / 1e9:.1f} GB of {memory / 1e9:.0f} GB per GPU: {fits} "
+        print(f"    one host, the hidden-state server shared by 8 torchrun ranks (--vllm-url): {shared / 1e9:.1f} GB of {memory / 1e9:.0f} GB per GPU: {fits} "
               f"(vLLM --gpu-memory-utilization {vllm / memory:.2f}); ~{rate_shared:,.0f} tokens/s "
               f"({rate_shared / 8:,.0f} per GPU), "
               f"500K x 2,048 tokens x 3 epochs in ~{tokens / rate_shared / 3600:.0f} h")
         rate_one = min(8 * peak * PREFILL_MFU / target_prefill, peak * TRAIN_MFU / draft_step)
-        print(f"    today's 04 --online --engine vllm (one process, the draft on cuda:0 beside vLLM TP8): cuda:0 holds "
+        print(f"    one process, the draft on cuda:0 beside its vLLM worker (TP8): cuda:0 holds "
               f"{(vllm + single) / 1e9:.1f} GB of {memory / 1e9:.0f} GB "
               f"({'fits' if vllm + single <= memory * 0.95 else 'does NOT fit'}); ~{rate_one:,.0f} tokens/s "
               f"(one GPU trains), ~{tokens / rate_one / 3600:.0f} h")

@@ -46,7 +46,7 @@ class Runtime:
     dtype: torch.dtype = torch.float32  # compute dtype of this process's models
     vllm_dtype: torch.dtype = torch.bfloat16  # what vLLM serves the target in
     vllm_python: Path | None = None  # the vLLM environment's python (--engine vllm without a URL)
-    vllm_url: str | None = None  # a running vLLM server (00 only)
+    vllm_url: str | None = None  # a running server: `vllm serve` (00), the hidden-state server (04 --online)
     tensor_parallel_size: int = 1
 
     @property
@@ -95,7 +95,7 @@ class Runtime:
 
 
 def add_runtime_args(parser: argparse.ArgumentParser, what: str, *, device_map: bool = True,
-                     url: bool = False, device: bool = True) -> None:
+                     url: bool = False, url_help: str | None = None, device: bool = True) -> None:
     """The engine, placement and dtype flags of a stage that runs the target (`what` it does with it).
     `device=False`: the stage has its own `--device` (04's, for the draft and the target alike)."""
     group = parser.add_argument_group("engine and placement")
@@ -106,8 +106,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, what: str, *, device_map: 
                             "made by scripts/setup_vllm_env.sh)")
     if url:
         group.add_argument("--vllm-url", default=None, metavar="URL",
-                           help="--engine vllm: a running vLLM server (`vllm serve TARGET`, e.g. http://host:8000) "
-                                "instead of starting one")
+                           help=url_help or "--engine vllm: a running vLLM server (`vllm serve TARGET`, e.g. "
+                                            "http://host:8000) instead of starting one")
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="vLLM: GPUs one engine spreads the target over (8 for Kimi-K2.5 on one host)")
     group.add_argument("--dtype", choices=sorted(DTYPES), default=None,

@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,67 @@ def test_04_online_on_the_vllm_worker_killed_mid_run_then_resumed(flat_run, flat
     report = json.loads((tmp_path / "train_report.json").read_text())
     assert report["epochs_run"] == [0, 1] and report["online"]["computed_samples"] > 0
     assert not list(tmp_path.glob(".vllm-states-*")), "the engine's scratch folder is left behind"
+
+
+@pytest.mark.slow
+def test_04_online_ranks_share_a_hidden_state_server_by_url(flat_run, flat_target, tmp_path):
+    """scripts/serve_hidden_states.py serves the states by URL; two torchrun ranks of 04 --online share
+    it. Stopped mid-run, the server no longer answers: the run retries, then ends in one line naming
+    the server and the checkpoint to resume from."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, REPO_ROOT / "scripts" / "serve_hidden_states.py", "--target", flat_target,
+                               "--max-model-len", "1024", "--port", str(port)], cwd=REPO_ROOT,
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "server.log").open("w"),
+                              env={**os.environ, **ENV}, start_new_session=True)
+    try:
+        wait_for(f"{url}/health", server, tmp_path / "server.log")
+        args = ["--run-dir", flat_run, "--target", flat_target, "--draft-config", "configs/draft_tiny.json",
+                "--online", "--engine", "vllm", "--vllm-url", url, "--total-seq-len", "256"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    REPO_ROOT / "04_train.py"]
+        shared = subprocess.run([*map(str, torchrun), *map(str, args), "--epochs", "1", "--output", str(tmp_path / "two")],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **ENV})
+        assert shared.returncode == 0, shared.stderr[-3000:]
+        assert "x 2 rank(s)" in shared.stdout and f"the target's engine (vLLM ({url}, bfloat16))" in shared.stdout
+        assert (tmp_path / "two" / "draft" / "model.safetensors").is_file()
+        log = tmp_path / "stopped.out"
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, REPO_ROOT / "04_train.py", *map(str, args), "--epochs", "3",
+                                     "--save-every", "2", "--output", str(tmp_path / "one")], cwd=REPO_ROOT,
+                                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
+            deadline = time.monotonic() + 600
+            while not list((tmp_path / "one" / "checkpoints" / "steps").glob("[0-9]*")) and proc.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.killpg(server.pid, signal.SIGKILL)
+            proc.wait(timeout=300)
+        last = log.read_text().strip().splitlines()[-1]
+        assert proc.returncode == 1 and last.startswith("error: the target's engine (vLLM (http://"), last
+        assert f"hidden-state server {url}/extract: no answer after 4 attempts" in last
+        assert f"the last checkpoint kept is {tmp_path / 'one' / 'checkpoints'}" in last
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, server: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server ended:\n{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"no answer from {url} in {timeout}s")
 
 
 # --- the Kimi-style miniature: MLA, DeepSeek-V3 MoE, nested multimodal config -----------------

@@ -1,6 +1,7 @@
 """The engines that compute the hidden states, behind one call: the target in this process
-(transformers, loaded as `Runtime` says: device map, max memory, INT4 experts kept packed) or a
-vLLM worker in vLLM's own environment (common/vllm/client.py). Both take batches of token-id lists
+(transformers, loaded as `Runtime` says: device map, max memory, INT4 experts kept packed), a
+vLLM worker in vLLM's own environment (common/vllm/client.py), or a hidden-state server by URL
+(common/vllm/state_server.py; 04 --online --vllm-url). Both take batches of token-id lists
 and return each sample's four states encoded for storage (`StoredStates`)."""
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from pathlib import Path
 
 from common.hidden_states.capture import StateExtractor
 from common.hidden_states.storage import StateStorage
-from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of
+from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of, worker_fetch
 from common.runtime import Runtime
 from common.target.config import TargetInfo
 from common.target.model import load_text_model
-from common.vllm.client import EngineSettings, VllmWorker
+from common.vllm.client import EngineSettings, StateServerClient, VllmWorker
 
 __all__ = ["open_state_engine"]
 
@@ -36,6 +37,11 @@ def open_state_engine(runtime: Runtime, info: TargetInfo, trust_remote_code: boo
                                 batch_tokens)
         yield StateExtractor(model, layer_ids, storage)
         return
+    if runtime.vllm_url:  # a hidden-state server started apart (scripts/serve_hidden_states.py)
+        server = StateServerClient(runtime.vllm_url)
+        server.check(info.path, [*layer_ids, info.num_layers])
+        yield VllmStateExtractor(server.extract, layer_ids, final_norm_of(info), storage)
+        return
     settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, runtime.tensor_parallel_size,
                                          runtime.vllm_dtype)
     scratch = f".vllm-states-{shard[0]}-of-{shard[1]}-"
@@ -46,4 +52,4 @@ def open_state_engine(runtime: Runtime, info: TargetInfo, trust_remote_code: boo
         settings.gpu_memory_utilization = gpu_memory_utilization
         with VllmWorker(runtime.vllm_python, settings) as worker:
             print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
-            yield VllmStateExtractor(worker, layer_ids, final_norm_of(info), storage)
+            yield VllmStateExtractor(worker_fetch(worker), layer_ids, final_norm_of(info), storage)

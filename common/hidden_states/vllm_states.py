@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,14 +36,18 @@ def rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+Fetch = Callable[[list[list[int]]], list[tuple[torch.Tensor, torch.Tensor]]]  # prompts -> (states, ids) each
+
+
 class VllmStateExtractor:
     """The four states of each sample from vLLM: auxiliary layers `layer_ids` and layer N
     (pre-norm, vLLM's last layer output), to which the target's final norm is applied so the
-    files hold the same post-norm final state as the HF engine's."""
+    files hold the same post-norm final state as the HF engine's. `fetch` reaches the engine: a
+    worker of this process (`worker_fetch`) or a hidden-state server by URL (`StateServerClient`)."""
 
-    def __init__(self, worker: VllmWorker, layer_ids: list[int], norm: tuple[torch.Tensor, float],
+    def __init__(self, fetch: Fetch, layer_ids: list[int], norm: tuple[torch.Tensor, float],
                  storage: StateStorage) -> None:
-        self.worker = worker
+        self.fetch = fetch
         self.layer_ids = layer_ids
         self.norm_weight, self.eps = norm
         self.storage = storage
@@ -51,19 +55,29 @@ class VllmStateExtractor:
 
     def __call__(self, id_lists: list[list[int]]) -> list[StoredStates]:
         start = time.perf_counter()
-        files = self.worker.request({"op": "extract", "prompts": id_lists}, "hidden-state extraction")["files"]
+        fetched = self.fetch(id_lists)
         self.forward_seconds += time.perf_counter() - start
-        return [self._read(Path(path), ids) for path, ids in zip(files, id_lists)]
+        return [self._encode(states, token_ids, ids) for (states, token_ids), ids in zip(fetched, id_lists)]
 
-    def _read(self, path: Path, ids: list[int]) -> StoredStates:
-        with _written(path) as data:
-            states, token_ids = data["hidden_states"], data["token_ids"]
+    def _encode(self, states: torch.Tensor, token_ids: torch.Tensor, ids: list[int]) -> StoredStates:
         if token_ids.tolist() != list(ids) or states.shape[:2] != (len(ids), len(self.layer_ids) + 1):
-            raise PipelineError(f"vLLM wrote {path} for {token_ids.numel()} tokens and states "
-                                f"{tuple(states.shape)}, expected {len(ids)} tokens x {len(self.layer_ids) + 1} layers")
+            raise PipelineError(f"vLLM gave states {tuple(states.shape)} for {token_ids.numel()} tokens, "
+                                f"expected {len(ids)} tokens x {len(self.layer_ids) + 1} layers")
         aux = [states[:, j].contiguous() for j in range(len(self.layer_ids))]
         final = rms_norm(states[:, -1], self.norm_weight, self.eps)
         return StoredStates(*self.storage.encode([*aux, final]))
+
+
+def worker_fetch(worker: VllmWorker) -> Fetch:
+    """The states of a worker's extraction, read from the connector's files (removed after)."""
+    def fetch(id_lists: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        files = worker.request({"op": "extract", "prompts": id_lists}, "hidden-state extraction")["files"]
+        found = []
+        for path in files:
+            with _written(Path(path)) as data:
+                found.append((data["hidden_states"], data["token_ids"]))
+        return found
+    return fetch
 
 
 @contextmanager

@@ -26,6 +26,8 @@ import re
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -60,7 +62,7 @@ def check_vllm_python(flag: Path | None) -> Path:
         raise PipelineError(f"vLLM not found: no {where}; create it with `bash scripts/setup_vllm_env.sh` "
                             "or pass --vllm-python PATH")
     probe = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                           text=True, timeout=300, env=_worker_env())
+                           text=True, timeout=300, env=worker_env())
     if probe.returncode != 0:
         lines = [ln for ln in probe.stderr.strip().splitlines() if ln.strip()]
         raise PipelineError(f"vLLM does not import with {where}: {lines[-1] if lines else 'no error text'}")
@@ -72,7 +74,7 @@ def check_vllm_python(flag: Path | None) -> Path:
     return python
 
 
-def _worker_env() -> dict[str, str]:
+def worker_env() -> dict[str, str]:
     # The worker imports common.vllm.worker / common.vllm.cpu_connector from this repository.
     path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -200,7 +202,7 @@ class VllmWorker:
         start = time.perf_counter()
         self.proc = subprocess.Popen([str(python), "-m", "common.vllm.worker", settings.as_json()], cwd=REPO_ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-                                     text=True, env=_worker_env(), start_new_session=True)
+                                     text=True, env=worker_env(), start_new_session=True)
         try:
             hello = self._read(f"{settings.describe()}: the engine did not start")
         except BaseException:
@@ -258,3 +260,54 @@ def _log_cause(log: Path) -> str | None:
         if match and not any(g in match.group(0) for g in GENERIC_ERRORS):
             found = match.group(0).strip()
     return found
+
+
+class StateServerClient:
+    """A hidden-state server by URL (common/vllm/state_server.py, started by
+    scripts/serve_hidden_states.py): its states per prompt, `(states [S, L, H], token ids [S])`. A
+    request that gets no answer within `timeout` seconds (or no connection) is sent again, `retries`
+    times, then fails naming the server; an error the server answers is not retried."""
+
+    def __init__(self, url: str, timeout: float = 600.0, retries: int = 3) -> None:
+        self.url, self.timeout, self.retries = url.rstrip("/"), timeout, retries
+
+    def health(self) -> dict[str, Any]:
+        return json.loads(self._call("/health", None, 30.0))
+
+    def check(self, model: str, layer_ids: list[int]) -> None:
+        """The server must extract `layer_ids` (aux ids, then N) of the same target (by folder name)."""
+        health = self.health()
+        if list(health.get("extract_layer_ids") or []) != list(layer_ids):
+            raise PipelineError(f"hidden-state server {self.url} extracts layers {health.get('extract_layer_ids')}, "
+                                f"this run needs {layer_ids}: start it with these --layer-ids")
+        if Path(health.get("model", "")).name != Path(model).name:
+            raise PipelineError(f"hidden-state server {self.url} serves {health.get('model')}, not {model}")
+
+    def extract(self, prompts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from safetensors.torch import load
+
+        data = load(self._call("/extract", json.dumps({"prompts": prompts}).encode(), self.timeout))
+        return [(data[f"states_{i}"], data[f"token_ids_{i}"]) for i in range(len(prompts))]
+
+    def _call(self, path: str, body: bytes | None, timeout: float) -> bytes:
+        request = urllib.request.Request(self.url + path, data=body,
+                                         headers={"Content-Type": "application/json"} if body else {})
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as answer:
+                    return answer.read()
+            except urllib.error.HTTPError as e:  # the server answered: its error, not retried
+                detail = e.read().decode(errors="replace")
+                try:
+                    detail = json.loads(detail).get("error", detail)
+                except ValueError:
+                    pass
+                raise PipelineError(f"hidden-state server {self.url}{path}: {e.code} {detail}") from e
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                last = e
+                if attempt < self.retries:
+                    time.sleep(min(2.0**attempt, 10.0))
+        raise PipelineError(f"hidden-state server {self.url}{path}: no answer after {self.retries + 1} attempts "
+                            f"({timeout:g}s each): {last}")
+

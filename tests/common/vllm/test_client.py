@@ -94,3 +94,23 @@ def test_the_engine_s_share_of_each_gpu_reaches_vllm_on_a_gpu_only(infos):
         kwargs = engine_kwargs(json.loads(settings.as_json()))
         assert {k: kwargs[k] for k in ("gpu_memory_utilization",) if k in kwargs} == expected
         assert ("kv_cache_memory_bytes" in kwargs) == (device == "cpu")
+
+
+def test_a_server_that_does_not_answer_is_retried_then_named(tmp_path):
+    """A hidden-state server that accepts the connection and never answers (a hung engine): each
+    request times out, is sent again `retries` times, then fails in one line naming the server."""
+    import socket
+    import time
+
+    from common.vllm.client import StateServerClient
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(PipelineError) as error:
+            StateServerClient(url, timeout=0.3, retries=2).extract([[1, 2, 3]])
+        elapsed = time.monotonic() - start
+    assert str(error.value).startswith(f"hidden-state server {url}/extract: no answer after 3 attempts (0.3s each)")
+    assert 3 * 0.3 + 1 + 2 <= elapsed < 30  # three timeouts and the back-off between them
