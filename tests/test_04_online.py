@@ -123,6 +123,27 @@ def test_max_disk_keeps_02_files_up_to_the_budget(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_max_disk_run_killed_and_resumed_reads_its_kept_files(runs, tmp_path):
+    """A run killed before its first pass ended left kept files without sample_lengths.json: the
+    resumed run takes the folder as its own (its manifest), reads them, and trains the same draft. A
+    folder of another prepared dataset is refused, not trained on."""
+    budget = str(sum(p.stat().st_size for p in list_sample_files(runs.offline / "hidden_states").values()) // 2)
+    kill_after_step_checkpoint([sys.executable, REPO_ROOT / SCRIPT, *runs.online_args(tmp_path, "--max-disk", budget)],
+                               tmp_path / "checkpoints" / "steps")
+    assert list_sample_files(tmp_path / "hidden_states")  # kept before the kill
+    run_in_process(SCRIPT, *runs.online_args(tmp_path, "--max-disk", budget, "--resume"), check=True)
+    assert_same_draft(tmp_path, runs.online)
+    config = json.loads((tmp_path / "hidden_states" / "data_config.json").read_text())
+    config["prepared_fingerprint"] = "another"
+    (tmp_path / "hidden_states" / "data_config.json").write_text(json.dumps(config))
+    refused = run_in_process(SCRIPT, *runs.online_args(tmp_path, "--max-disk", budget))
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 1 and last.startswith(f"error: {tmp_path / 'hidden_states'} holds hidden states of "
+                                                       "another prepared dataset"), last
+    assert (tmp_path / "draft").is_dir()  # refused before anything was moved aside
+
+
+@pytest.mark.slow
 def test_engine_failure_names_the_engine_and_the_last_checkpoint_and_resume_continues(runs, tmp_path, monkeypatch):
     """The engine fails (here: raises on its 40th forward pass, in epoch 1) and the run ends in one
     line naming it and the checkpoint to resume from; --resume then trains what the run would have."""

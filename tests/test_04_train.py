@@ -46,7 +46,8 @@ from common.hidden_states.loader import load_hidden_states, make_loader, split_d
 from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
 from common.train import checkpoints
-from common.train.metrics import read_log, simulated_acceptance_length, validation_metrics
+from common.draft.validation import simulated_acceptance_length, validation_metrics
+from common.train.metrics import read_log
 from common.train.settings import TrainSettings
 from common.vocab import load_vocab
 
@@ -172,7 +173,8 @@ def test_quality_bar_beats_untrained_draft_and_most_frequent_token(trained):
     vocab = load_vocab(trained.run / "vocab")
     torch.manual_seed(0)
     untrained = build_draft(config, vocab.t2d, vocab.d2t)
-    untrained_acc = validation_metrics(untrained, val.loader, torch.device("cpu"), val.settings)["full_acc_0"]
+    untrained_acc = validation_metrics(untrained, val.loader, torch.device("cpu"),
+                                       val.settings.call_kwargs())["full_acc_0"]
     baseline_acc = most_frequent_token_accuracy(untrained.verifier_lm_head, val.train_loader, val.loader)
 
     records = read_log(trained.run / "train_log.jsonl")
@@ -250,7 +252,7 @@ def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     best = report["best_validation"]
     # The pass of the exported checkpoint's epoch: the packing, and so the mean over batches, follows the epoch.
     reloaded = validation_metrics(load_draft(trained.run / "draft", trust_remote_code=True), val.loader, cpu,
-                                  val.settings, epoch=best["epoch"])
+                                  val.settings.call_kwargs(), epoch=best["epoch"])
 
     # the exported checkpoint (the best by validation simulated acceptance length, saved in fp32), built
     # the library's way
@@ -265,7 +267,7 @@ def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     for name, tensor in model.state_dict().items():  # the export's one change: bf16
         if tensor.is_floating_point() and name not in NOT_EXPORTED:
             tensor.copy_(tensor.to(torch.bfloat16))
-    assert reloaded == validation_metrics(model, val.loader, cpu, val.settings, epoch=best["epoch"])
+    assert reloaded == validation_metrics(model, val.loader, cpu, val.settings.call_kwargs(), epoch=best["epoch"])
 
     logged = next(r["val"] for r in vals if r["epoch"] == best["epoch"])
     assert reloaded["loss"] == pytest.approx(logged["loss_epoch"], rel=0.02)  # trained in fp32, exported in bf16

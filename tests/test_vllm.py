@@ -162,44 +162,20 @@ def test_draft_vllm_refuses_is_one_line(flat_run, flat_target, tmp_path):
 
 
 @pytest.mark.slow
-def test_04_online_on_the_vllm_worker_killed_mid_run_then_resumed(flat_run, flat_target, tmp_path):
-    """04 --online --engine vllm: the worker computes the states as the draft trains. Killed after
-    the first step checkpoint, the run ends in one line naming the vLLM engine and that checkpoint;
-    --resume starts a new worker and finishes the run (two engine starts)."""
-    args = ["04_train.py", "--run-dir", flat_run, "--target", flat_target, "--draft-config", "configs/draft_tiny.json",
-            "--output", tmp_path, "--online", "--engine", "vllm", "--epochs", "2", "--total-seq-len", "256",
-            "--save-every", "2"]
-    log = tmp_path / "killed.out"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO_ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, **ENV}, text=True)
-        deadline = time.monotonic() + 900
-        while not list((tmp_path / "checkpoints" / "steps").glob("[0-9]*")) and proc.poll() is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
-        workers = [pid for pid in descendants(proc.pid)
-                   if "common.vllm.worker" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
-        assert workers, f"no vLLM worker under 04:\n{log.read_text()}"
-        os.kill(workers[0], signal.SIGKILL)
-        proc.wait(timeout=300)
-    lines = log.read_text().strip().splitlines()
-    assert proc.returncode == 1, "\n".join(lines[-20:])
-    assert lines[-1].startswith("error: the target's engine (vLLM (own engine, bfloat16)) failed computing the "
-                                "hidden states of prepared rows"), lines[-1]
-    assert f"the last checkpoint kept is {tmp_path / 'checkpoints' / 'steps'}" in lines[-1]
-    resumed = run_script(*args, "--resume", env=ENV, timeout=1200).stdout
-    assert "resuming after step checkpoint" in resumed and "started in" in resumed
-    assert "online: the target's engine (vLLM (own engine, bfloat16))" in resumed
-    report = json.loads((tmp_path / "train_report.json").read_text())
-    assert report["epochs_run"] == [0, 1] and report["online"]["computed_samples"] > 0
-    assert not list(tmp_path.glob(".vllm-states-*")), "the engine's scratch folder is left behind"
-
-
-@pytest.mark.slow
-def test_04_online_ranks_share_a_hidden_state_server_by_url(flat_run, flat_target, tmp_path):
-    """scripts/serve_hidden_states.py serves the states by URL; two torchrun ranks of 04 --online share
-    it. Stopped mid-run, the server no longer answers: the run retries, then ends in one line naming
-    the server and the checkpoint to resume from."""
+def test_04_online_on_the_vllm_worker_and_on_a_shared_server(flat_run, flat_target, tmp_path):
+    """04 --online --engine vllm: the worker computes the states as the draft trains; killed after the
+    first step checkpoint, the run ends in one line naming the vLLM engine and that checkpoint. The
+    run resumes through a hidden-state server (scripts/serve_hidden_states.py, --vllm-url) and
+    finishes; two torchrun ranks share the server; stopped mid-run, the server no longer answers and
+    the run ends naming it after its retries."""
+    args = ["--run-dir", flat_run, "--target", flat_target, "--draft-config", "configs/draft_tiny.json", "--online",
+            "--engine", "vllm", "--total-seq-len", "256", "--save-every", "2"]
+    one = tmp_path / "one"
+    killed = run_until_step_checkpoint([sys.executable, REPO_ROOT / "04_train.py", *args, "--epochs", "2",
+                                        "--output", one], one, "common.vllm.worker", tmp_path / "killed.out")
+    assert killed.startswith("error: the target's engine (vLLM (own engine, bfloat16)) failed computing the "
+                             "hidden states of prepared rows"), killed
+    assert f"the last checkpoint kept is {one / 'checkpoints' / 'steps'}" in killed
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, REPO_ROOT / "scripts" / "serve_hidden_states.py", "--target", flat_target,
@@ -208,34 +184,53 @@ def test_04_online_ranks_share_a_hidden_state_server_by_url(flat_run, flat_targe
                               env={**os.environ, **ENV}, start_new_session=True)
     try:
         wait_for(f"{url}/health", server, tmp_path / "server.log")
-        args = ["--run-dir", flat_run, "--target", flat_target, "--draft-config", "configs/draft_tiny.json",
-                "--online", "--engine", "vllm", "--vllm-url", url, "--total-seq-len", "256"]
+        resumed = run_script("04_train.py", *args, "--epochs", "2", "--output", one, "--resume", "--vllm-url", url,
+                             env=ENV, timeout=900).stdout
+        assert "resuming after step checkpoint" in resumed and f"the target's engine (vLLM ({url}, bfloat16))" in resumed
+        report = json.loads((one / "train_report.json").read_text())
+        assert report["epochs_run"] == [0, 1] and report["online"]["computed_samples"] > 0
+        assert not list(one.glob(".vllm-states-*")), "the worker's scratch folder is left behind"
+        two = tmp_path / "two"
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    REPO_ROOT / "04_train.py"]
-        shared = subprocess.run([*map(str, torchrun), *map(str, args), "--epochs", "1", "--output", str(tmp_path / "two")],
-                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **ENV})
-        assert shared.returncode == 0, shared.stderr[-3000:]
-        assert "x 2 rank(s)" in shared.stdout and f"the target's engine (vLLM ({url}, bfloat16))" in shared.stdout
-        assert (tmp_path / "two" / "draft" / "model.safetensors").is_file()
-        log = tmp_path / "stopped.out"
-        with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, REPO_ROOT / "04_train.py", *map(str, args), "--epochs", "3",
-                                     "--save-every", "2", "--output", str(tmp_path / "one")], cwd=REPO_ROOT,
-                                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
-            deadline = time.monotonic() + 600
-            while not list((tmp_path / "one" / "checkpoints" / "steps").glob("[0-9]*")) and proc.poll() is None \
-                    and time.monotonic() < deadline:
-                time.sleep(0.1)
-            os.killpg(server.pid, signal.SIGKILL)
-            proc.wait(timeout=300)
-        last = log.read_text().strip().splitlines()[-1]
-        assert proc.returncode == 1 and last.startswith("error: the target's engine (vLLM (http://"), last
-        assert f"hidden-state server {url}/extract: no answer after 4 attempts" in last
-        assert f"the last checkpoint kept is {tmp_path / 'one' / 'checkpoints'}" in last
+                    REPO_ROOT / "04_train.py", *args, "--epochs", "3", "--vllm-url", url, "--output", two]
+        stopped = run_until_step_checkpoint(torchrun, two, None, tmp_path / "stopped.out", server=server)
+        output = (tmp_path / "stopped.out").read_text()
+        assert "x 2 rank(s)" in output, output[-3000:]
+        assert f"hidden-state server {url}/extract: no answer after 4 attempts" in output, stopped
+        assert f"the last checkpoint kept is {two / 'checkpoints' / 'steps'}" in output
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def run_until_step_checkpoint(cmd: list, output: Path, victim: str | None, log: Path,
+                              server: subprocess.Popen | None = None) -> str:
+    """Run `cmd`; once a step checkpoint is in `output`, SIGKILL the engine (the descendant whose
+    command line holds `victim`, or `server`'s process group) and return the run's last line
+    (it must fail)."""
+    with log.open("w") as out:
+        proc = subprocess.Popen([*map(str, cmd)], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **ENV}, start_new_session=True)
+        deadline = time.monotonic() + 900
+        while not list((output / "checkpoints" / "steps").glob("[0-9]*")) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if server is not None:
+            os.killpg(server.pid, signal.SIGKILL)
+        else:
+            pids = [pid for pid in descendants(proc.pid)
+                    if victim in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+            assert pids, f"no {victim} under the run:\n{log.read_text()[-3000:]}"
+            os.kill(pids[0], signal.SIGKILL)
+        try:
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    lines = log.read_text().strip().splitlines()
+    assert proc.returncode not in (0, None), "\n".join(lines[-20:])
+    return next((line for line in reversed(lines) if line.startswith("error: ")), lines[-1])
 
 
 def free_port() -> int:

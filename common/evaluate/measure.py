@@ -45,8 +45,7 @@ from common.hidden_states.files import sample_index
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
 from common.target.config import TargetInfo
 from common.target.model import decoder_parts
-from common.train.metrics import REPORT_FILE, ValSummary, validation_metrics
-from common.train.settings import TrainSettings
+from common.draft.validation import ValSummary, validation_metrics
 
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
@@ -169,9 +168,9 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
                     total_seq_len: int, device: torch.device) -> dict:
     """Validation loss, full and conditional accuracy per TTT step and the simulated
     acceptance length over `files`, computed exactly as 04's validation pass does."""
-    settings = TrainSettings(ttt_steps=k, noise_std=0.0, total_seq_len=total_seq_len, num_workers=0)
-    loader = make_loader(data, files, settings, world_size=1, rank=0, train=False, pin_memory=False)
-    summary = ValSummary.from_metrics(validation_metrics(draft, loader, device, settings), epoch=0)
+    loader = make_loader(data, files, HeldOutLoading(total_seq_len), world_size=1, rank=0, train=False,
+                         pin_memory=False)
+    summary = ValSummary.from_metrics(validation_metrics(draft, loader, device, {"ttt_steps": k}), epoch=0)
     skipped = loader.tally.skipped  # damaged files, each named on stderr (common/hidden_states/sample_files.py)
     return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step,
             "full_acc": summary.full_acc,
@@ -202,11 +201,21 @@ def fitting_offline_metrics(name: str, draft: torch.nn.Module, folder: Path, inf
 
 
 def training_seq_len(draft_dir: str | Path) -> int:
-    """The packed sequence length the draft was validated with in 04, if its report says."""
-    report_path = Path(draft_dir).parent / REPORT_FILE
-    if report_path.is_file():
-        return int(read_json(report_path).get("settings", {}).get("total_seq_len", DEFAULT_EVAL_SEQ_LEN))
-    return DEFAULT_EVAL_SEQ_LEN
+    """The packed sequence length the draft was validated with in 04, if its split record says (drafts
+    of earlier versions and of other tools: `DEFAULT_EVAL_SEQ_LEN`)."""
+    split_path = Path(draft_dir) / SPLIT_FILE
+    record = read_json(split_path) if split_path.is_file() else {}
+    return int(record.get("total_seq_len", DEFAULT_EVAL_SEQ_LEN))
+
+
+@dataclass(frozen=True)
+class HeldOutLoading:
+    """The data path's settings of 05's offline figures: 04's validation pass (no noise, one process)."""
+
+    total_seq_len: int
+    seed: int = 0
+    noise_std: float = 0.0
+    num_workers: int = 0
 
 
 @dataclass

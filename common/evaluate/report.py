@@ -18,7 +18,7 @@ from common.atomic import write_json
 from common.evaluate.decoding import LOOP_RUN, Generation, SpeculativeStats
 from common.evaluate.measure import MeasuredResult, degenerate_share
 from common.evaluate.prompts import Prompt
-from common.train.metrics import simulated_acceptance_length
+from common.draft.validation import simulated_acceptance_length
 
 __all__ = ["finite", "DraftReport", "by_prompt_set", "summary_table", "gap_notes", "output_lines",
            "write_report"]

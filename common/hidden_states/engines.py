@@ -45,6 +45,7 @@ def open_state_engine(runtime: Runtime, info: TargetInfo, trust_remote_code: boo
     settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, runtime.tensor_parallel_size,
                                          runtime.vllm_dtype)
     scratch = f".vllm-states-{shard[0]}-of-{shard[1]}-"
+    out.mkdir(parents=True, exist_ok=True)  # 04 --online --output NEW: its folder is made here first
     for stale in out.glob(scratch + "*"):
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:

@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from speculators.train.data import create_collate_fn, list_files
@@ -42,9 +42,26 @@ from common.hidden_states.sample_files import (
 )
 from common.hidden_states.storage import StateStorage, get_storage, standardize_fn
 from common.target.config import TargetInfo
-from common.train.settings import TrainSettings
 
 SPLIT_FILE = "validation_split.json"  # in the draft folder: which prepared rows 05 may treat as held out
+
+
+class LoaderSettings(Protocol):
+    """What the data path reads of a run's settings (04's `TrainSettings`, 05's `HeldOutLoading`)."""
+
+    total_seq_len: int  # tokens packed per sequence and rank
+    seed: int  # the packing order
+    noise_std: float  # uniform noise on the training auxiliary states (0: none)
+    num_workers: int  # data-loader worker processes
+
+
+class SplitSettings(Protocol):
+    """What the held-out split and its record read of 04's settings."""
+
+    val_ratio: float
+    split_seed: int
+    seed: int
+    total_seq_len: int
 
 
 @dataclass
@@ -67,7 +84,7 @@ class HiddenStateData:
     def batch_sampler(self, dataset: CheckedSampleDataset, **kwargs: Any) -> ResumableBatchSampler:
         return ResumableBatchSampler(lengths=dataset.approx_lengths, **kwargs)
 
-    def num_workers(self, settings: TrainSettings) -> int:
+    def num_workers(self, settings: LoaderSettings) -> int:
         return settings.num_workers
 
     def skip_tally(self, files: list[Path] | None = None) -> SkipTally:
@@ -171,7 +188,7 @@ def split_rows(rows: list[int], val_ratio: float, seed: int) -> tuple[list[int],
     return order[:cut], order[cut:]
 
 
-def split_data(data: HiddenStateData, settings: TrainSettings) -> tuple[list[Path], list[Path]]:
+def split_data(data: HiddenStateData, settings: SplitSettings) -> tuple[list[Path], list[Path]]:
     """Training and validation files, split by prepared row (`split_rows`, seeded by `--split-seed`)."""
     by_row = {sample_index(f): f for f in data.files}
     train, val = split_rows(list(by_row), settings.val_ratio, settings.split_seed)
@@ -181,7 +198,7 @@ def split_data(data: HiddenStateData, settings: TrainSettings) -> tuple[list[Pat
     return [by_row[i] for i in train], [by_row[i] for i in val]
 
 
-def make_loader(data: HiddenStateData, files: list[Path], settings: TrainSettings, world_size: int, rank: int,
+def make_loader(data: HiddenStateData, files: list[Path], settings: LoaderSettings, world_size: int, rank: int,
                 train: bool, pin_memory: bool, tally: SkipTally | None = None) -> DataLoader:
     """The library's data path over `files`, with damaged files skipped and counted in `tally`
     (common/hidden_states/sample_files.py; a fresh one for the data when None)."""
@@ -208,7 +225,7 @@ class ResumableBatchSampler(MultipackDistributedBatchSamplerV2):
         return batches
 
 
-def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: TrainSettings,
+def split_record(data: HiddenStateData, train: list[Path], val: list[Path], settings: SplitSettings,
                  draft_dir: Path) -> dict:
     """The split as prepared-dataset rows (`data_{i}.pt` holds row i of 02's prepared input).
     Folders are recorded relative to `draft_dir`, where the record is written, so the run
@@ -217,6 +234,7 @@ def split_record(data: HiddenStateData, train: list[Path], val: list[Path], sett
             "prepared_fingerprint": data.config.prepared_fingerprint,
             "hidden_states": os.path.relpath(data.folder.resolve(), Path(draft_dir).resolve()),
             "val_ratio": settings.val_ratio, "split_seed": settings.split_seed, "seed": settings.seed,
+            "total_seq_len": settings.total_seq_len,  # 05 computes its offline figures at the same packing
             "train_samples": len(train),
             "validation_rows": sorted(sample_index(f) for f in val)}
 

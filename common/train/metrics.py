@@ -1,8 +1,7 @@
 """Step 04's metrics: the JSON-lines log of the Trainer's metric records (`MetricsLog`, one
 line per training step and one per validation pass), the progress bars and per-epoch lines, the
-plot, the validation summary (simulated acceptance length) and `train_report.json`, all read back
-from the log, so a resumed run reports on the whole training. `validation_metrics` computes a
-validation pass as the Trainer does, for any draft (05 uses it too).
+plot, the best and last validation passes (common/draft/validation.py's summaries) and
+`train_report.json`, all read back from the log, so a resumed run reports on the whole training.
 """
 
 from __future__ import annotations
@@ -14,12 +13,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from common.atomic import atomic_path, write_json
-from common.train.settings import TrainSettings
+from common.draft.validation import ValSummary, per_step
 
 LOG_FILE = "train_log.jsonl"
 PLOT_FILE = "train_log.png"
@@ -137,50 +134,6 @@ def strip_epoch_suffix(metrics: dict[str, float]) -> dict[str, float]:
     return {k.removesuffix("_epoch"): v for k, v in metrics.items()}
 
 
-def per_step(metrics: dict[str, float], name: str) -> list[float]:
-    """[metrics["name_0"], metrics["name_1"], ...] for the TTT steps present."""
-    values, k = [], 0
-    while f"{name}_{k}" in metrics:
-        values.append(metrics[f"{name}_{k}"])
-        k += 1
-    return values
-
-
-def simulated_acceptance_length(cond_accs: list[float]) -> float:
-    """1 + sum over k of prod_{j<=k} cond_acc_j: the expected tokens per verification step when
-    draft token k is accepted only if tokens 0..k-1 were."""
-    total, run = 1.0, 1.0
-    for acc in cond_accs:
-        run *= acc
-        total += run
-    return total
-
-
-@dataclass
-class ValSummary:
-    epoch: int
-    loss: float
-    full_acc: list[float]
-    cond_acc: list[float]
-    loss_per_step: list[float]
-    acceptance_length: float
-
-    @classmethod
-    def from_metrics(cls, metrics: dict[str, float], epoch: int) -> ValSummary:
-        cond = per_step(metrics, "cond_acc")
-        return cls(epoch=epoch, loss=metrics["loss"], full_acc=per_step(metrics, "full_acc"), cond_acc=cond,
-                   loss_per_step=per_step(metrics, "loss"), acceptance_length=simulated_acceptance_length(cond))
-
-    def lines(self) -> list[str]:
-        rows = [f"validation after epoch {self.epoch + 1}: loss {self.loss:.4f}",
-                "  TTT step   loss      full acc   cond acc"]
-        rows += [f"  {k:>8}   {lo:<8.4f}  {fa:<9.3f}  {ca:.3f}"
-                 for k, (lo, fa, ca) in enumerate(zip(self.loss_per_step, self.full_acc, self.cond_acc))]
-        rows.append(f"simulated acceptance length: {self.acceptance_length:.3f} "
-                    "(1 + sum over k of the product of cond acc up to k)")
-        return rows
-
-
 def last_validation(records: list[dict]) -> ValSummary | None:
     vals = [r for r in records if "val" in r]
     return ValSummary.from_metrics(strip_epoch_suffix(vals[-1]["val"]), vals[-1]["epoch"]) if vals else None
@@ -223,21 +176,6 @@ def plot_metrics(records: list[dict], path: Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-
-
-@torch.no_grad()
-def validation_metrics(model: torch.nn.Module, loader: DataLoader, device: torch.device, settings: TrainSettings,
-                       epoch: int = 0) -> dict[str, float]:
-    """Validation metrics as the Trainer computes them (mean over batches), for any model."""
-    model.eval()
-    loader.batch_sampler.set_epoch(epoch)
-    totals: dict[str, float] = {}
-    for batch in loader:
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        _tokens, _loss, metrics = model(**batch, **settings.call_kwargs())
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + v.item()
-    return {k: v / len(loader) for k, v in totals.items()}
 
 
 @dataclass

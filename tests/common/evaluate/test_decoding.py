@@ -30,7 +30,7 @@ from common.evaluate.decoding import (
 from common.hidden_states.capture import capture_layers
 from common.target.int4_experts import PackedLinear
 from common.target.model import decoder_parts
-from common.train.metrics import simulated_acceptance_length
+from common.draft.validation import simulated_acceptance_length
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams()

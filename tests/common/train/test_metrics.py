@@ -1,10 +1,10 @@
-"""common/train/metrics.py: the simulated acceptance length and the choice of the checkpoint to export."""
+"""common/train/metrics.py: the choice of the checkpoint to export."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.train.metrics import best_validation, simulated_acceptance_length
+from common.train.metrics import best_validation
 
 
 def test_best_validation_picks_the_highest_simulated_acceptance_length():
@@ -18,8 +18,3 @@ def test_best_validation_picks_the_highest_simulated_acceptance_length():
     assert best_validation(records, [0, 1, 2]).acceptance_length == pytest.approx(1 + 0.6 + 0.36)
     assert best_validation([{"epoch": 0, "train": {}}], [0]) is None
 
-
-def test_simulated_acceptance_length():
-    assert simulated_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert simulated_acceptance_length([1.0, 1.0]) == 3.0
-    assert simulated_acceptance_length([0.0, 0.9]) == 1.0
