@@ -1,40 +1,62 @@
-"""GPU check of step 04 at Kimi-K2.5's full draft shape: a few training steps of the draft of
-configs/draft_kimi_k25.json (hidden 7168, 64 heads of 128, intermediate 18432, target vocabulary
-163840, draft vocabulary 32000) on sequences of 2048 tokens, through speculators' Trainer with
-the project's patch, on synthetic hidden states. Prints tokens per second and peak GPU memory.
+"""GPU check of step 04 at Kimi-K2.5's full draft shape: training steps of the draft of
+configs/draft_kimi_k25.json (hidden 7168, 64 heads of 128, intermediate 18432, verifier vocabulary
+163,840, draft vocabulary 32,000) through 04's own Trainer (common/train/trainer.py: Muon, bf16
+autocast on GPUs, the project's patch), on synthetic hidden states, at 2,048 and 8,192 tokens per
+step, eager and with `torch.compile`. Prints per case tokens/s, ms per step (the optimizer's part
+apart), MFU against the GPU's dense bf16 peak, peak GPU memory, and what one epoch of 1,000 and of
+500,000 samples of 2,048 tokens would take on 8 such GPUs.
 
-    python bench/gpu_train_full_shape.py [--steps 8] [--seq-len 2048] [--no-compile] [--out DIR]
-    python bench/gpu_train_full_shape.py --device cpu --draft-config SMALL.json --steps 2 --seq-len 256
+    python bench/gpu_train_full_shape.py [--seq-lens 2048 8192] [--compile both|on|off] [--steps 6]
+        [--precision auto|bf16|fp32] [--peak-tflops 989] [--json FILE]     # about 3-4 minutes on one H200
+    python bench/gpu_train_full_shape.py --device cpu --draft-config SMALL.json --seq-lens 256 --compile off
         # a dry run of the plumbing on CPU with a small draft config (hidden size from the file)
 
-No Kimi-K2.5 checkpoint is needed: a stand-in target folder (a Kimi-shaped text config with
-yarn rope, and only the two tensors the draft reads, embed_tokens and lm_head, in bf16) is
-written to --out first. The first two steps (compilation, allocator warm-up) are not timed.
+Needs only `pip install -r requirements.txt` (no vLLM, no Kimi-K2.5 checkpoint): a stand-in target
+folder (a Kimi-shaped text config with yarn rope, and only the two tensors the draft reads,
+embed_tokens and lm_head, in bf16) is written to --out first. The first two steps of each case
+(compilation, allocator warm-up) are not timed.
+
+MFU counts the model's FLOPs per token: 6 x (the weights of the decoder layer(s) and the draft
+lm_head) per TTT step (4 x for a frozen lm_head: no weight gradient), 6 x fc's once, 12 x layers x
+heads x head_dim x the mean attended length per TTT step (causal within each packed sample), and
+2 x hidden x draft vocabulary for the verifier's logits (no gradient). The 8-GPU epochs assume
+data-parallel scaling (each rank its own packed sequences, FSDP's all-gathers hidden by the step):
+an upper bound on the speed of 8 ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from common.atomic import write_json  # noqa: E402
 from common.draft import patch  # noqa: E402
 from common.draft.model import KIMI_CONFIG, build_draft, read_config_file, speculator_config  # noqa: E402
 from common.fixtures.targets import KIMI_TEXT_CONFIG, KIMI_VOCAB_SIZE  # noqa: E402
 from common.target.config import load_target_info  # noqa: E402
-from common.train.settings import TrainSettings  # noqa: E402
-from common.train.trainer import trainer_config  # noqa: E402
+from common.train.settings import PRECISIONS, TrainSettings  # noqa: E402
+from common.train.trainer import ProjectTrainer, prepare_draft, trainer_config  # noqa: E402
 from common.vocab import build_maps  # noqa: E402
 
 WARMUP_STEPS = 2
+SAMPLES_PER_SEQ_TOKENS = 2048  # packed samples of this length (the 1,000 / 500K estimate's sample)
+EPOCH_SAMPLES = (1_000, 500_000)
+GPUS = 8
+# Dense bf16 tensor-core peaks (TFLOPS, no sparsity) by device name; --peak-tflops for others.
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "H20": 148.0,
+                    "B200": 2250.0, "B300": 2250.0, "GB200": 2500.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 # Kimi-K2.5's text config (README, "Kimi-K2.5 on an 8-GPU host"), flat, as the draft sees it; hidden size from the draft config.
 STANDIN_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
@@ -55,11 +77,14 @@ def write_standin_target(folder: Path, hidden: int, device: torch.device) -> Pat
     return folder
 
 
-def synthetic_batches(steps: int, seq_len: int, hidden: int, samples_per_seq: int = 4) -> list[dict]:
-    """Collated batches as `create_collate_fn` makes them: [1, seq_len, ...] with packed lengths."""
+def synthetic_batches(steps: int, seq_len: int, hidden: int) -> list[dict]:
+    """Collated batches as 04's loader makes them: [1, seq_len, ...], packed samples of up to
+    `SAMPLES_PER_SEQ_TOKENS` tokens, the states in fp32 as the loader hands them over."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.full((samples_per_seq,), seq_len // samples_per_seq, dtype=torch.long)
-    positions = torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0)
+    n = max(1, seq_len // SAMPLES_PER_SEQ_TOKENS)
+    lengths = torch.full((n,), seq_len // n, dtype=torch.long)
+    lengths[-1] += seq_len - int(lengths.sum())
+    positions = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
     return [{"hidden_states": torch.randn(1, seq_len, 3 * hidden, generator=g),
              "input_ids": torch.randint(0, 150000, (1, seq_len), generator=g),
              "verifier_last_hidden_states": torch.randn(1, seq_len, hidden, generator=g),
@@ -67,68 +92,153 @@ def synthetic_batches(steps: int, seq_len: int, hidden: int, samples_per_seq: in
              "position_ids": positions} for _ in range(steps)]
 
 
-class TimedBatches(list):
-    """Batches for `Trainer.train_epoch` that record when each step asks for its batch."""
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
-    batch_sampler = None
+
+class TimedBatches(list):
+    """Batches for the Trainer's epoch, recording when each step asks for its batch."""
+
+    batch_sampler = SimpleNamespace(skip=0)  # what ProjectTrainer sets before an epoch
 
     def __iter__(self):
         self.times = []
         for batch in super().__iter__():
-            self.times.append(_now())
+            _sync()
+            self.times.append(time.perf_counter())
             yield batch
-        self.times.append(_now())
+        _sync()
+        self.times.append(time.perf_counter())
 
 
-def _now() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
+def flops_per_token(model: torch.nn.Module, seq_len: int, samples_per_seq: int, ttt_steps: int) -> float:
+    """The model FLOPs of one trained token (module docstring)."""
+    layer_config = model.config.transformer_layer_config
+    layers = sum(p.numel() for p in model.layers.parameters() if p.ndim == 2)
+    head = model.lm_head.weight.numel() * (6 if model.lm_head.weight.requires_grad else 4)
+    attended = seq_len / samples_per_seq / 2  # causal, within a packed sample (+ the draft diagonal, negligible)
+    attention = 12 * layer_config.num_hidden_layers * layer_config.num_attention_heads * layer_config.head_dim
+    per_step = 6 * layers + head + attention * attended
+    return 6 * model.fc.weight.numel() + ttt_steps * per_step + 2 * model.verifier_lm_head.weight.numel()
 
 
-def main() -> None:
-    from speculators.train.trainer import Trainer
+@dataclass
+class Case:
+    seq_len: int
+    compiled: bool
+    precision: str
+    ms_per_step: float
+    optimizer_ms_per_step: float
+    tokens_per_s: float
+    tflops: float
+    mfu: float | None
+    peak_memory_gib: float | None
+    epoch_hours_8_gpus: dict  # samples -> hours
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/gpu04"))
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--draft-config", type=Path, default=KIMI_CONFIG)
-    args = parser.parse_args()
+
+def run_case(args: argparse.Namespace, target: Path, seq_len: int, compiled: bool, peak: float | None) -> Case:
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: no CUDA device")
-
-    patch.apply(compile_forward=device.type == "cuda" and not args.no_compile)
+    patch.apply(compile_forward=compiled)
     config_file = read_config_file(args.draft_config)
     hidden = config_file.model.hidden_size
-    target = write_standin_target(args.out / "target", hidden, device)
     info = load_target_info(target, trust_remote_code=True)
-    settings, _ = TrainSettings.resolve(config_file, {"total_seq_len": args.seq_len, "scheduler": "none"})
-    counts = torch.arange(KIMI_VOCAB_SIZE, 0, -1)  # any fixed choice of 32000 ids
+    settings, _ = TrainSettings.resolve(config_file, {"total_seq_len": seq_len, "scheduler": "none",
+                                                      "precision": args.precision, "epochs": 1})
+    counts = torch.arange(KIMI_VOCAB_SIZE, 0, -1)  # any fixed choice of the draft vocabulary
     d2t, t2d = build_maps(counts, config_file.model.draft_vocab_size)
     config = speculator_config(config_file.model, info, d2t.numel(), [2, 30, 58], settings.ttt_steps)
     torch.manual_seed(0)
     model = build_draft(config, t2d, d2t)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    batches = TimedBatches(synthetic_batches(args.steps + WARMUP_STEPS, args.seq_len, hidden))
-    trainer = Trainer(model, trainer_config(settings, args.out / "checkpoints", False, False, device), batches, None)
+    prepare_draft(model, settings)
+    batches = TimedBatches(synthetic_batches(args.steps + WARMUP_STEPS, seq_len, hidden))
+    samples_per_seq = len(batches[0]["lengths"])
+    flops = flops_per_token(model, seq_len, samples_per_seq, settings.ttt_steps)
+    trainer = ProjectTrainer(model, trainer_config(settings, args.out / "checkpoints", False, False, device),
+                             settings, batches, None, None)
+    optimizer_seconds: list[float] = []
+    step = trainer.opt.step
+
+    def timed_step(*a, **k):
+        _sync()
+        start = time.perf_counter()
+        result = step(*a, **k)
+        _sync()
+        optimizer_seconds.append(time.perf_counter() - start)
+        return result
+
+    trainer.opt.step = timed_step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train_epoch(0)
     step_seconds = [b - a for a, b in zip(batches.times[WARMUP_STEPS:], batches.times[WARMUP_STEPS + 1:])]
     median = statistics.median(step_seconds)
-    compiled = device.type == "cuda" and not args.no_compile
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"draft: hidden {hidden}, intermediate {config_file.model.intermediate_size}, draft vocab {d2t.numel():,} "
-          f"of {KIMI_VOCAB_SIZE:,}, {trainable:,} trainable parameters, compiled forward: {compiled}")
-    print(f"{args.steps} timed steps of {args.seq_len} tokens x {settings.ttt_steps} TTT steps on {where}: "
-          f"median {median * 1000:.0f} ms/step, {args.seq_len / median:,.0f} tok/s")
+    rate = seq_len / median
+    peak_memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    del trainer, model, batches
+    gc.collect()
     if device.type == "cuda":
-        print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB "
-              f"(reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB)")
+        torch.cuda.empty_cache()
+    tflops = flops * rate / 1e12
+    return Case(seq_len, compiled, args.precision, 1000 * median,
+                1000 * statistics.median(optimizer_seconds[WARMUP_STEPS:]), rate, tflops,
+                tflops / peak if peak else None, peak_memory,
+                {n: n * SAMPLES_PER_SEQ_TOKENS / (GPUS * rate) / 3600 for n in EPOCH_SAMPLES})
+
+
+def bf16_peak(device: torch.device, given: float | None) -> float | None:
+    """TFLOPS: --peak-tflops, else the table's entry for the device name (None if unknown)."""
+    if given is not None or device.type != "cuda":
+        return given
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
+
+
+def table(cases: list[Case], where: str, peak: float | None) -> str:
+    rows = [f"{where}; dense bf16 peak {f'{peak:g} TFLOPS' if peak else 'unknown (--peak-tflops)'}",
+            f"{'tokens':>6} {'compile':>7} {'ms/step':>8} {'(optim.)':>8} {'tok/s':>9} {'TFLOPS':>7} {'MFU':>6} "
+            f"{'peak GiB':>8}  epoch on {GPUS} GPUs: " + ", ".join(f"{n:,} x {SAMPLES_PER_SEQ_TOKENS}" for n in EPOCH_SAMPLES)]
+    for c in cases:
+        mfu = f"{c.mfu:.1%}" if c.mfu is not None else "-"
+        memory = f"{c.peak_memory_gib:.1f}" if c.peak_memory_gib is not None else "-"
+        epochs = ", ".join(f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h" for h in c.epoch_hours_8_gpus.values())
+        rows.append(f"{c.seq_len:>6} {'on' if c.compiled else 'off':>7} {c.ms_per_step:>8.0f} "
+                    f"{c.optimizer_ms_per_step:>8.0f} {c.tokens_per_s:>9,.0f} {c.tflops:>7.1f} {mfu:>6} {memory:>8}  "
+                    f"{epochs}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--compile", choices=("both", "on", "off"), default="both")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case (after 2 untimed)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto", help="04's --precision")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the GPU's dense bf16 peak (default: from its name; H200/H100 SXM 989)")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/gpu04"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--draft-config", type=Path, default=KIMI_CONFIG)
+    parser.add_argument("--json", type=Path, default=None, help="write the cases here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: no CUDA device (a dry run on CPU: --device cpu with a small --draft-config)")
+    compile_modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.compile]
+    if device.type != "cuda":
+        compile_modes = (False,)  # compiling the forward on CPU costs minutes and is never used there
+    peak = bf16_peak(device, args.peak_tflops)
+    target = write_standin_target(args.out / "target", read_config_file(args.draft_config).model.hidden_size, device)
+    cases = []
+    for seq_len in args.seq_lens:
+        for compiled in compile_modes:
+            cases.append(run_case(args, target, seq_len, compiled, peak))
+            print(table(cases[-1:], "", peak).splitlines()[-1], flush=True)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(table(cases, f"{where}, precision {args.precision}, {args.steps} timed steps per case", peak))
+    if args.json is not None:
+        write_json(args.json, {"device": where, "peak_tflops": peak, "cases": [asdict(c) for c in cases]})
+        print(f"figures written to {args.json}")
 
 
 if __name__ == "__main__":

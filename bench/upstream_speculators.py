@@ -107,7 +107,7 @@ def convert_data(run_dir: Path, target: Path) -> Path:
     s = split(run_dir)
     if s.data.config.storage != "bf16":
         raise SystemExit(f"upstream variants: hidden states stored as {s.data.config.storage}; only bf16 is converted")
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)  # the miniatures, or a target the user passed
     norm, _ = final_norm_of(info)  # 02's reader of it (flat or nested checkpoints)
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
     shape = read_config_file(TINY_CONFIG).model
@@ -142,9 +142,12 @@ def convert_data(run_dir: Path, target: Path) -> Path:
     return out
 
 
-def train_flags(data_dir: Path, target: Path, out: Path, seed: int, lr: float | None) -> list[str]:
-    """04's budget (configs/draft_tiny.json; `lr` in place of its rate) in upstream's flags; `seed`
-    is its initialisation's and packing order's (the split is fixed by the conversion)."""
+def train_flags(data_dir: Path, target: Path, out: Path, seed: int, lr: float | None,
+                epochs: int | None = None) -> list[str]:
+    """04's budget (configs/draft_tiny.json; `lr` and `epochs` in place of its own) in upstream's
+    flags; `seed` is its initialisation's and packing order's (the split is fixed by the conversion).
+    Paths are absolute: the trainer runs in `out`."""
+    data_dir, target, out = data_dir.resolve(), Path(target).resolve(), out.resolve()
     conversion = json.loads((data_dir / CONVERSION).read_text())
     settings = tiny_settings()
     return ["--verifier-name-or-path", str(target), "--data-path", str(data_dir),
@@ -152,7 +155,10 @@ def train_flags(data_dir: Path, target: Path, out: Path, seed: int, lr: float | 
             "--target-layer-ids", *map(str, conversion["layer_ids"]),
             "--d2t-path", str(data_dir / "d2t.npy"), "--t2d-path", str(data_dir / "t2d.npy"),
             "--train-data-ratio", str(conversion["train_data_ratio"]), "--on-missing", "raise",
-            "--epochs", str(settings.epochs), "--lr", str(lr or settings.lr), "--ttt-steps", str(settings.ttt_steps),
+            # unused by EAGLE-3 drafts; unset, upstream loads the target's processor to find one, which for
+            # Kimi-K2.5's vision-language config needs torchvision (not installed there: setup_speculators_env.sh)
+            "--mask-token-id", str(load_target_info(target, trust_remote_code=True).pad_token_id or 0),
+            "--epochs", str(epochs or settings.epochs), "--lr", str(lr or settings.lr), "--ttt-steps", str(settings.ttt_steps),
             "--total-seq-len", str(settings.total_seq_len), "--scheduler-type", settings.scheduler,
             "--seed", str(seed), "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
             *CPU_FLAGS, *ARCHITECTURE_FLAGS]
@@ -168,17 +174,32 @@ def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed:
     done = last_checkpoint(out)
     if done is not None and int(done.name) == tiny_settings().epochs - 1:
         return done
+    return run_trainer(out, [*train_flags(data_dir, target, out, seed, lr), *flags])
+
+
+def run_trainer(out: Path, args: list[str]) -> Path:
+    """bench/upstream_train.py with `args` in upstream's environment; its last checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "upstream_train.log"
     with log.open("w") as f:
-        proc = subprocess.run([str(UPSTREAM_PYTHON), str(REPO_ROOT / "bench" / "upstream_train.py"),
-                               *train_flags(data_dir, target, out, seed, lr), *flags], cwd=out, stdout=f,
-                              stderr=subprocess.STDOUT, env=os.environ | {"TQDM_DISABLE": "1"}, check=False)
+        proc = subprocess.run([str(UPSTREAM_PYTHON), str(REPO_ROOT / "bench" / "upstream_train.py"), *args],
+                              cwd=out, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"TQDM_DISABLE": "1"},
+                              check=False)
     done = last_checkpoint(out)
     if proc.returncode != 0 or done is None:
         tail = log.read_text()[-3000:]
         raise SystemExit(f"upstream training exited {proc.returncode} (log {log}):\n{tail}")
     return done
+
+
+def timed_epochs(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], epochs: int,
+                 seed: int = 0) -> list[float]:
+    """Seconds of each training epoch of a fresh upstream run of `epochs` epochs into `out`
+    (bench/bench_04_train.py)."""
+    seconds = out.resolve() / "epoch_seconds.json"  # the trainer runs in `out`
+    run_trainer(out, [*train_flags(data_dir, target, out, seed, None, epochs), *flags,
+                      "--epoch-seconds", str(seconds)])
+    return json.loads(seconds.read_text())
 
 
 def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int) -> Path:
@@ -189,7 +210,7 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int) 
     if extra:
         raise SystemExit(f"{checkpoint}: {', '.join(extra)} set; 04's draft format has no such norms")
     s = split(run_dir)
-    info = load_target_info(target)
+    info = load_target_info(target, trust_remote_code=True)  # the miniatures, or a target the user passed
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
     config = speculator_config(read_config_file(TINY_CONFIG).model, info, vocab.d2t.numel(),
                                s.data.config.layer_ids, s.settings.ttt_steps)

@@ -1,6 +1,7 @@
 """Run upstream speculators' own trainer (`python -m speculators.train`, 0.9.0) on CPU.
 
-    .venv-speculators/bin/python bench/upstream_train.py [--trainable-lm-head] SPECULATORS_TRAIN_FLAGS...
+    .venv-speculators/bin/python bench/upstream_train.py [--trainable-lm-head] [--epoch-seconds FILE]
+        SPECULATORS_TRAIN_FLAGS...
 
 Run by bench/upstream_speculators.py in upstream's environment (scripts/setup_speculators_env.sh),
 never imported by the project: it needs speculators 0.9.0, which cannot share a process with 04's
@@ -16,16 +17,22 @@ float32` (CPU autocast to bf16 is slow and would differ from 04's fp32 training)
 
 `--trainable-lm-head` (ours, not upstream's) trains the draft lm_head, which upstream freezes at the
 target's rows: 0.9.0 has no flag for it, so it is switched on after the draft is built.
+`--epoch-seconds FILE` (ours too, for bench/bench_04_train.py) writes the seconds of each
+`Trainer.train_epoch` (its training time, validation and checkpoints excluded) to FILE as a JSON list.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 TRAINABLE_LM_HEAD = "--trainable-lm-head"
+EPOCH_SECONDS = "--epoch-seconds"
 
 
 def patch_for_cpu(trainable_lm_head: bool) -> None:
@@ -44,9 +51,30 @@ def patch_for_cpu(trainable_lm_head: bool) -> None:
         cli.build_draft_model = build_with_trainable_head
 
 
+def time_epochs(path: Path) -> None:
+    """Append each `train_epoch`'s seconds to the JSON list in `path`."""
+    from speculators.train.trainer import Trainer
+
+    train_epoch = Trainer.train_epoch
+    seconds: list[float] = []
+
+    def timed(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = train_epoch(self, *args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        path.write_text(json.dumps(seconds))
+        return result
+
+    Trainer.train_epoch = timed
+
+
 def main(argv: list[str]) -> None:
     trainable_lm_head = TRAINABLE_LM_HEAD in argv
     patch_for_cpu(trainable_lm_head)
+    if EPOCH_SECONDS in argv:
+        i = argv.index(EPOCH_SECONDS)
+        time_epochs(Path(argv[i + 1]))
+        argv = argv[:i] + argv[i + 2:]
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig
 

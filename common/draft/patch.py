@@ -16,8 +16,10 @@ with other arguments replaces the earlier choice. What it installs:
    library's checks (hidden size, t2d size, masked lm_head shape).
 2. speculators' attention `simple_flex_attention` calls FlexAttention, which has no backward
    on CPU (torch 2.13). Under the same name we register a dispatcher: on CPU it evaluates the
-   block mask's `mask_mod` into a dense boolean mask and runs SDPA; elsewhere it calls the
-   library's FlexAttention unchanged.
+   block mask's `mask_mod` into a dense mask and runs SDPA; elsewhere it calls the library's
+   FlexAttention unchanged. The dense mask is made once per forward, as SDPA adds it (0 / -inf),
+   and grows by the new keys' columns at each TTT step; where the forward runs eagerly, the
+   library's `create_block_mask` skips the block structure on CPU, which nothing there reads.
 3. The single-process checkpointer loads a resumed model and optimizer onto the hard-coded
    `"cuda:0"`. Ours loads onto the CPU; `load_state_dict` then copies every tensor onto the
    device of the parameter it belongs to, so this is right on any device.
@@ -30,12 +32,23 @@ with other arguments replaces the earlier choice. What it installs:
    view of `torch.distributed` whose `reduce` does AVG as SUM divided by the world size where
    the backend lacks it; everything else is `torch.distributed` itself.
 
+6. The draft's loss (`compute_metrics`, once per TTT step) takes the softmax of the verifier's
+   logits and their argmax again at every step, and writes its KL divergence as a [tokens,
+   vocabulary] product, masked element by element, for the loss to sum. Where the forward runs
+   eagerly (CPU, `compile_forward=False`) ours computes the softmax, the target entropy term and
+   the argmax once per batch and slices them per step (softmax and argmax work row by row, so a
+   row's values are the same), and masks per token after summing over the vocabulary. The
+   gradients are bitwise the library's (the same products in the same order: see `kl_loss`); the
+   loss value it logs differs from the library's by float rounding of the sum. Compiled, the
+   library's function stays: the compiler fuses its elementwise work itself.
+
 The Trainer's device (it calls `model.to(local_rank)`, an int meaning CUDA) is handled where
 the Trainer is configured: see `trainer_device`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from speculators.config import VerifierConfig
 from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.eagle3 import core as library_core
 from speculators.models.eagle3.attention import ALL_ATTENTION_FUNCTIONS, flex_attention_forward
 from speculators.train import checkpointer as library_checkpointer
 from speculators.train import trainer as library_trainer
@@ -60,6 +74,9 @@ LM_HEAD_KEY = "lm_head.weight"
 ORIGINAL_SETUP = Eagle3DraftModel._setup_embeddings_and_lm_heads
 ORIGINAL_FORWARD = Eagle3DraftModel.forward
 ORIGINAL_CHECKPOINTER = library_trainer.SingleGPUCheckpointer
+ORIGINAL_COMPUTE_METRICS = library_core.compute_metrics
+ORIGINAL_CREATE_BLOCK_MASK = library_core.create_block_mask
+BLOCK_SIZE = 128  # FlexAttention's default block, the library's
 
 
 def apply(*, trust_remote_code: bool = False, compile_forward: bool = True) -> None:
@@ -70,6 +87,8 @@ def apply(*, trust_remote_code: bool = False, compile_forward: bool = True) -> N
     library_trainer.SingleGPUCheckpointer = DeviceAgnosticCheckpointer
     Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
     library_trainer.dist = AVERAGING_DIST
+    library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if compile_forward else compute_metrics
+    library_core.create_block_mask = ORIGINAL_CREATE_BLOCK_MASK if compile_forward else create_block_mask
 
 
 def eager(function):
@@ -163,16 +182,48 @@ def _make_setup(trust_remote_code: bool):
 
 # --- 2. attention with a backward on CPU ---
 
-def dense_mask(block_mask: BlockMask, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """The token-level boolean mask [q_len, kv_len] of a BlockMask, from its `mask_mod`.
-
-    speculators' mask functions are elementwise torch ops, so broadcasting a column of query
-    indices against a row of key indices evaluates all pairs at once. The key length is the
-    real one (it grows by `q_len` per TTT step), not the block-rounded `block_mask.shape`."""
+def dense_mask(mask_mod, q_len: int, kv_start: int, kv_end: int, device: torch.device) -> torch.Tensor:
+    """The token-level boolean mask [q_len, kv_end - kv_start] of `mask_mod` over the keys
+    kv_start..kv_end-1. speculators' mask functions are elementwise torch ops, so broadcasting
+    a column of query indices against a row of key indices evaluates all pairs at once."""
     q = torch.arange(q_len, device=device).unsqueeze(1)
-    kv = torch.arange(kv_len, device=device).unsqueeze(0)
+    kv = torch.arange(kv_start, kv_end, device=device).unsqueeze(0)
     zero = torch.zeros((), dtype=torch.long, device=device)
-    return block_mask.mask_mod(zero, zero, q, kv).expand(q_len, kv_len)
+    return mask_mod(zero, zero, q, kv).expand(q_len, kv_end - kv_start)
+
+
+class AdditiveMask:
+    """One forward's attention mask as SDPA adds it (0 where attended, -inf elsewhere), in the
+    query's dtype: what SDPA makes of a boolean mask at every call, made here once. The key length
+    grows by `q_len` per TTT step under the same `mask_mod` (the library extends its BlockMask
+    and keeps the function), so only the new keys' columns are evaluated and appended. The key
+    length is the real one, not the block-rounded `block_mask.shape`."""
+
+    def __init__(self, mask_mod, q_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.mask_mod = weakref.ref(mask_mod)
+        self.q_len, self.dtype, self.device = q_len, dtype, device
+        self.mask = torch.empty(q_len, 0, dtype=dtype, device=device)
+
+    def matches(self, mask_mod, q_len: int, dtype: torch.dtype) -> bool:
+        return self.mask_mod() is mask_mod and (self.q_len, self.dtype) == (q_len, dtype)
+
+    def up_to(self, kv_len: int) -> torch.Tensor:
+        start = self.mask.shape[1]
+        if kv_len > start:
+            attended = dense_mask(self.mask_mod(), self.q_len, start, kv_len, self.device)
+            new = torch.zeros(attended.shape, dtype=self.dtype, device=self.device).masked_fill_(~attended, float("-inf"))
+            self.mask = torch.cat([self.mask, new], dim=1)
+        return self.mask[:, :kv_len]
+
+
+_mask: AdditiveMask | None = None  # the current forward's
+
+
+def additive_mask(mask_mod, q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    global _mask
+    if _mask is None or not _mask.matches(mask_mod, q_len, dtype):
+        _mask = AdditiveMask(mask_mod, q_len, dtype, device)
+    return _mask.up_to(kv_len)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -181,10 +232,25 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Shapes as in transformers: query [B, H, Q, D], output [B, Q, H, D]."""
     if query.device.type != "cpu":
         return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    mask = dense_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
+    mask = additive_mask(attention_mask.mask_mod, query.shape[-2], key.shape[-2], query.dtype, query.device)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,  # noqa: N803 - the library's names
+                      device: torch.device | str = "cuda", **kwargs) -> BlockMask:
+    """The library's `create_block_mask`, except on CPU: there the attention above reads only the
+    mask's `mask_mod`, so the block structure (one evaluation of `mask_mod` over every pair) is
+    not computed and every block is listed instead, which the library's
+    `extend_mask_for_draft_tokens` extends as it extends any BlockMask."""
+    if torch.device(device).type != "cpu":
+        return ORIGINAL_CREATE_BLOCK_MASK(mask_mod, B, H, Q_LEN, KV_LEN, device=device, **kwargs)
+    q_blocks, kv_blocks = -(-Q_LEN // BLOCK_SIZE), -(-KV_LEN // BLOCK_SIZE)
+    kv_num_blocks = torch.full((1, 1, q_blocks), kv_blocks, dtype=torch.int32, device=device)
+    kv_indices = torch.arange(kv_blocks, dtype=torch.int32, device=device).expand(1, 1, q_blocks, kv_blocks).contiguous()
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod,
+                                    seq_lengths=(Q_LEN, KV_LEN))
 
 
 # --- 3. resuming on any device ---
@@ -221,3 +287,70 @@ class _AveragingDistributed:
 
 
 AVERAGING_DIST = _AveragingDistributed()
+
+
+# --- 6. the loss: the verifier's softmax once per batch ---
+
+class VerifierTargets:
+    """What every TTT step of one batch reads from the verifier's logits [1, T, V]: their softmax,
+    the per-token sum of p log p (the KL divergence's entropy term) and the argmax."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = weakref.ref(logits)
+        self.p = torch.softmax(logits, dim=-1)
+        self.p_log_p = torch.special.xlogy(self.p, self.p).sum(-1)  # [1, T]; 0 where p underflows to 0
+        self.ids = torch.argmax(logits, dim=-1)
+
+
+_targets: VerifierTargets | None = None  # the batch's; the forward passes the same logits tensor to every step
+
+
+def targets_of(logits: torch.Tensor) -> VerifierTargets:
+    global _targets
+    if _targets is None or _targets.logits() is not logits:
+        _targets = VerifierTargets(logits)
+    return _targets
+
+
+def kl_loss(logits: torch.Tensor, p: torch.Tensor, p_log_p: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """The library's `loss_function` (KL(p || softmax(logits)), summed over the vocabulary and the
+    masked tokens, divided by their count). Its backward reaches `log_softmax` as
+    `-p * (g / denominator * mask)`, the product the library's `kl_div` backward forms: a 0/1
+    mask multiplies the same scalar on either side, so the gradients are the same bits."""
+    cross = (p * F.log_softmax(logits, dim=-1)).sum(-1)  # [1, T']
+    per_token = p_log_p - cross
+    if loss_mask is not None:
+        per_token = per_token * loss_mask
+        denominator: torch.Tensor | int = loss_mask.sum(dim=1) + 1e-5
+    else:
+        denominator = logits.shape[1]
+    return (per_token.sum(dim=1) / denominator).mean()
+
+
+@torch.no_grad()
+def accuracy(logits: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor | None,
+             prev_correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The library's `compute_accuracy`, given the verifier's argmax instead of its logits."""
+    correct = torch.argmax(logits, dim=-1) == target_ids
+    cond_denom: torch.Tensor | int = correct.numel()
+    if prev_correct is not None:
+        cond_denom = prev_correct.sum()
+        correct = torch.logical_and(prev_correct, correct, out=prev_correct)  # in place, as the library's
+    if loss_mask is not None:
+        correct = torch.masked_select(correct, loss_mask.to(torch.bool))
+    correct_sum = correct.float().sum()
+    return correct_sum / (correct.numel() + 1e-5), correct_sum / (cond_denom + 1e-5)
+
+
+def compute_metrics(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
+                    prev_correct: torch.Tensor | None, ttt_step: int,
+                    ttt_step_loss_decay: float) -> tuple[torch.Tensor, dict]:
+    """The library's `compute_metrics` (same arguments, results and in-place update of
+    `prev_correct`) over the batch's `VerifierTargets`, sliced to the step."""
+    t = targets_of(targets)
+    s_logits, _, s_loss_mask, s_prev_correct = library_core.align_for_step(logits, targets, loss_mask, prev_correct,
+                                                                           ttt_step)
+    s_loss = ttt_step_loss_decay**ttt_step * kl_loss(s_logits, t.p[:, ttt_step:], t.p_log_p[:, ttt_step:], s_loss_mask)
+    full_acc, cond_acc = accuracy(s_logits, t.ids[:, ttt_step:], s_loss_mask, s_prev_correct)
+    return s_loss, {f"loss_{ttt_step}": s_loss.detach().clone(), f"full_acc_{ttt_step}": full_acc,
+                    f"cond_acc_{ttt_step}": cond_acc}

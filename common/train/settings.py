@@ -11,6 +11,8 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from common.draft.model import DraftConfigFile, checked_fields
 from common.errors import PipelineError
 
@@ -18,6 +20,7 @@ SCHEDULERS = ("linear", "cosine", "none")
 OPTIMIZERS = ("muon", "adamw")
 TTT_INPUTS = ("dataset", "draft")
 INITS = ("normal", "torch")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def _setting(default: Any, text: str) -> Any:
@@ -56,6 +59,10 @@ class TrainSettings:
     seed: int = _setting(0, "seed of the packing order, the noise and the draft's initialisation")
     split_seed: int = _setting(0, "seed of the held-out split, apart from --seed so that runs of other seeds are "
                                   "validated (and 05 measures them) on the same rows")
+    precision: str = _setting("auto", "the draft's compute: 'bf16' (autocast: matmuls in bf16, weights, optimizer "
+                                      "and loss in fp32, as upstream speculators trains), 'fp32', or 'auto' (bf16 on "
+                                      "GPUs, where fp32 matmuls run at a fraction of the tensor cores' rate; fp32 on "
+                                      "CPUs, where bf16 is slower)")
     save_every: int = _setting(0, "optimizer steps between step checkpoints in checkpoints/steps/ (the last 2 are "
                                   "kept; 0: at the end of each epoch only)")
 
@@ -90,6 +97,7 @@ class TrainSettings:
                  (f"--ttt-inputs {self.ttt_inputs}", self.ttt_inputs in TTT_INPUTS, f"one of {', '.join(TTT_INPUTS)}"),
                  (f"--optimizer {self.optimizer}", self.optimizer in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
                  (f"--init {self.init}", self.init in INITS, f"one of {', '.join(INITS)}"),
+                 (f"--precision {self.precision}", self.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
                  (f"--val-ratio {self.val_ratio}", 0 <= self.val_ratio < 1, "in [0, 1)"),
                  (f"--noise-std {self.noise_std}", self.noise_std >= 0, "0 or more"),
                  (f"--total-seq-len {self.total_seq_len}", self.total_seq_len >= 2, "at least 2"),
@@ -102,6 +110,11 @@ class TrainSettings:
         for flag, ok, rule in rules:
             if not ok:
                 raise PipelineError(f"{flag}: must be {rule}")
+
+    def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The dtype the draft's forward autocasts to on `device` (None: plain fp32)."""
+        bf16 = self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda")
+        return torch.bfloat16 if bf16 else None
 
     def call_kwargs(self) -> dict[str, Any]:
         """The draft's forward arguments of a validation pass: TTT steps read the draft's own

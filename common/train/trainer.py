@@ -3,8 +3,8 @@ speculators 0.3.0's own `Trainer`, subclassed in this one place.
 
 The subclass writes checkpoints a resumed run continues from exactly (fp32 state, RNG, data
 position; atomic; step checkpoints; mid-epoch resume: see common/train/checkpoints.py), builds the
-optimizer of `--optimizer` (common/train/optimizers.py) where the library builds its AdamW, feeds
-the TTT steps the dataset's tokens or the draft's (`--ttt-inputs`), times each epoch and reports at
+optimizer of `--optimizer` (common/train/optimizers.py) where the library builds its AdamW, runs the
+draft's forward under bf16 autocast where `--precision` asks for it, feeds the TTT steps the dataset's tokens or the draft's (`--ttt-inputs`), times each epoch and reports at
 its end to the metrics log (common/train/metrics.py). The data path is common/hidden_states/loader.py.
 """
 
@@ -123,6 +123,8 @@ class ProjectTrainer(Trainer):
         # The library's own resume knows only epoch checkpoints: it is turned off and the resume
         # point is loaded below, through the library's checkpointer all the same.
         super().__init__(model, config._replace(resume_from_checkpoint=False), train_loader, val_loader)
+        device = torch.device(config.local_rank)
+        autocast(self.model, device.type, settings.autocast_dtype(device))
         if resume is not None:
             self.load_resume_point(resume)
         self.progress = progress
@@ -267,6 +269,21 @@ class ProjectTrainer(Trainer):
             shutil.rmtree(staging, ignore_errors=True)
         if self.is_distributed:
             dist.barrier()
+
+
+def autocast(model: torch.nn.Module, device_type: str, dtype: torch.dtype | None) -> None:
+    """Run `model`'s forward (training and validation) under `torch.autocast(dtype)`: mixed
+    precision with fp32 master weights, the library's Trainer calling the model unchanged.
+    Backward follows the dtypes autocast chose; the optimizer steps fp32 weights outside it."""
+    if dtype is None:
+        return
+    forward = model.forward
+
+    def autocast_forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = autocast_forward
 
 
 class EpochBatches:

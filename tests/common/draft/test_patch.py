@@ -1,7 +1,10 @@
 """common/draft/patch.py against the unpatched speculators 0.3.0: the Kimi-K2.5 embeddings/lm_head
-setup, the CPU attention fallback, the device-agnostic checkpointer and the eager forward."""
+setup, the CPU attention fallback, the device-agnostic checkpointer, the eager forward and the loss
+over the verifier's softmax computed once per batch."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -143,9 +146,12 @@ def test_apply_is_idempotent_and_installs_every_fix():
     assert ALL_ATTENTION_FUNCTIONS[patch.ATTENTION_NAME] is patch.attention_forward
     assert library_trainer.SingleGPUCheckpointer is patch.DeviceAgnosticCheckpointer
     assert not hasattr(Eagle3DraftModel.forward, "_torchdynamo_orig_callable")  # eager
+    assert eagle3_core.compute_metrics is patch.compute_metrics
     patch.apply(compile_forward=True)
     assert Eagle3DraftModel.forward is patch.ORIGINAL_FORWARD  # the library's compiled forward
     assert hasattr(patch.ORIGINAL_FORWARD, "_torchdynamo_orig_callable")
+    assert eagle3_core.compute_metrics is patch.ORIGINAL_COMPUTE_METRICS  # compiled: the library's loss
+    patch.apply(trust_remote_code=True, compile_forward=False)
 
 
 def draft_inputs(seq: int = 256, hidden: int = 64, vocab: int = 4000) -> dict:
@@ -179,6 +185,39 @@ def test_dense_attention_equals_flex_attention_and_has_a_backward(flat_target):
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
 
 
+def boolean_mask_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The CPU attention as it was: the whole boolean mask from `mask_mod` at every call, which
+    SDPA turns into an additive one itself."""
+    mask = patch.dense_mask(attention_mask.mask_mod, query.shape[-2], 0, key.shape[-2], query.device)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def forward_and_gradients(model, inputs) -> tuple:
+    model.zero_grad()
+    tokens, loss, metrics = model(**inputs)
+    loss.backward()
+    return tokens, metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_cpu_mask_made_once_per_forward_changes_no_bit(flat_target, monkeypatch):
+    """The additive mask grown per TTT step, and the BlockMask left without its block structure
+    on CPU, against the library's BlockMask and a boolean mask evaluated whole at every call."""
+    model = make_draft(flat_target, dataclasses.replace(SHAPE, num_hidden_layers=2))  # two layers: one mask per step
+    inputs = draft_inputs(vocab=model.embed_tokens.num_embeddings)
+    ours = forward_and_gradients(model, inputs)
+    monkeypatch.setattr(eagle3_core, "create_block_mask", patch.ORIGINAL_CREATE_BLOCK_MASK)
+    ALL_ATTENTION_FUNCTIONS.register(patch.ATTENTION_NAME, boolean_mask_attention)
+    try:
+        theirs = forward_and_gradients(model, inputs)
+    finally:
+        patch.apply(trust_remote_code=True, compile_forward=False)
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0]))
+    assert all(torch.equal(ours[1][k], v) for k, v in theirs[1].items())
+    assert ours[2].keys() == theirs[2].keys() and all(torch.equal(ours[2][k], v) for k, v in theirs[2].items())
+
+
 def test_checkpointer_resumes_on_cpu(flat_target, tmp_path):
     model = make_draft(flat_target)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -196,3 +235,58 @@ def test_checkpointer_resumes_on_cpu(flat_target, tmp_path):
     checkpointer.load_optimizer_state_dict(fresh, fresh_optimizer)
     assert torch.equal(fresh.fc.weight, model.fc.weight.to(torch.bfloat16).float())  # saved in bf16
     assert fresh_optimizer.state_dict()["state"][0]["exp_avg"].shape == model.fc.weight.shape
+
+
+def train_steps(target, compute_metrics, monkeypatch, off_policy: bool) -> tuple[dict, list[dict]]:
+    """Three AdamW steps of a fresh draft on one batch (a loss mask with holes, padding, TTT loss
+    decay) with `compute_metrics` as the draft's loss; its weights and each step's metrics."""
+    monkeypatch.setattr(eagle3_core, "compute_metrics", compute_metrics)
+    model = make_draft(target)
+    inputs = draft_inputs(vocab=model.embed_tokens.num_embeddings)
+    inputs["loss_mask"][:, ::3] = 0
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    metrics = []
+    for _ in range(3):
+        _tokens, loss, step_metrics = model(**inputs, ttt_step_loss_decay=0.8, use_off_policy_tokens=off_policy)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        metrics.append(step_metrics)
+    return model.state_dict(), metrics
+
+
+@pytest.mark.parametrize("off_policy", [True, False], ids=["teacher-forced", "draft-fed"])
+def test_loss_once_per_batch_trains_the_library_s_draft_bitwise(flat_target, monkeypatch, off_policy):
+    ours, our_metrics = train_steps(flat_target, patch.compute_metrics, monkeypatch, off_policy)
+    theirs, their_metrics = train_steps(flat_target, patch.ORIGINAL_COMPUTE_METRICS, monkeypatch, off_policy)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    for step_ours, step_theirs in zip(our_metrics, their_metrics):
+        assert step_ours.keys() == step_theirs.keys()
+        for name, value in step_theirs.items():
+            if name.startswith("loss"):  # the same KL, summed in another order
+                assert step_ours[name].item() == pytest.approx(value.item(), rel=1e-5), name
+            else:
+                assert torch.equal(step_ours[name], value), name
+
+
+def test_loss_once_per_batch_equals_the_library_s_on_extreme_logits():
+    """Targets whose softmax underflows to 0 in places (p log p must read 0 there, not nan), no
+    loss mask, and `prev_correct` updated in place as the library updates it."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 40, 50, generator=g, requires_grad=True)
+    targets = torch.randn(1, 40, 50, generator=g) * 60  # gaps of hundreds: exp underflows
+    for ttt_step in range(3):
+        ours_prev, theirs_prev = torch.ones(1, 40, dtype=torch.bool), torch.ones(1, 40, dtype=torch.bool)
+        ours_prev[:, ::5] = theirs_prev[:, ::5] = False
+        ours = patch.compute_metrics(logits, targets, None, ours_prev, ttt_step, 0.8)
+        theirs = patch.ORIGINAL_COMPUTE_METRICS(logits, targets, None, theirs_prev, ttt_step, 0.8)
+        assert torch.isfinite(ours[0]) and ours[0].item() == pytest.approx(theirs[0].item(), rel=1e-5)
+        assert torch.equal(ours_prev, theirs_prev)
+        for name in (f"full_acc_{ttt_step}", f"cond_acc_{ttt_step}"):
+            assert torch.equal(ours[1][name], theirs[1][name])
+        our_grad, = torch.autograd.grad(ours[0], logits)
+        their_grad, = torch.autograd.grad(theirs[0], logits)
+        assert torch.equal(our_grad, their_grad)

@@ -1,5 +1,5 @@
-"""common/train/trainer.py: the draft's starting point (initialisation, frozen lm_head) and what
-the Trainer feeds the TTT steps in training and in validation."""
+"""common/train/trainer.py: the draft's starting point (initialisation, frozen lm_head), what
+the Trainer feeds the TTT steps in training and in validation, and the precision it computes in."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers import packed_batch
 
 from common.train.optimizers import build_optimizer
 from common.train.settings import TrainSettings
-from common.train.trainer import prepare_draft, trainer_config
+from common.train.trainer import autocast, prepare_draft, trainer_config
 
 
 def own_linears(model) -> list[torch.nn.Linear]:
@@ -75,3 +75,24 @@ def test_teacher_forcing_changes_what_step_1_sees(tiny_draft):
     assert metrics["dataset"]["loss_0"] == metrics["draft"]["loss_0"]
     assert metrics["dataset"]["loss_1"] != metrics["draft"]["loss_1"]
     assert settings.call_kwargs() == {"ttt_steps": 3, "ttt_step_loss_decay": 1.0}
+
+
+@pytest.mark.parametrize(("precision", "device", "expected"), [
+    ("auto", "cpu", None), ("auto", "cuda", torch.bfloat16), ("bf16", "cpu", torch.bfloat16),
+    ("fp32", "cuda", None)])
+def test_precision_picks_bf16_autocast_on_gpus(precision, device, expected):
+    assert TrainSettings(precision=precision).autocast_dtype(torch.device(device)) == expected
+
+
+def test_bf16_autocast_keeps_fp32_weights_and_gradients(tiny_draft):
+    model = copy.deepcopy(tiny_draft)
+    seen = []
+    model.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    autocast(model, "cpu", torch.bfloat16)
+    _tokens, loss, _metrics = model(**packed_batch(0), ttt_steps=2)
+    loss.backward()
+    assert seen == [torch.bfloat16] and loss.dtype == torch.float32  # matmuls in bf16, the loss in fp32
+    assert model.fc.weight.dtype == model.fc.weight.grad.dtype == torch.float32
+    plain = copy.deepcopy(tiny_draft)
+    autocast(plain, "cpu", None)  # fp32: the forward untouched
+    assert "forward" not in vars(plain)
