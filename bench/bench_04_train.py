@@ -3,7 +3,7 @@ upstream speculators 0.9.0's own trainer on the same states, shape and settings,
 draft's bare step on the same batches already in memory; then where 04's step time goes.
 
     python bench/bench_04_train.py [--target flat|kimi] [--run-dir DIR] [--repeats 3] [--json FILE]
-        [--no-upstream]
+        [--setup-upstream | --no-upstream]
 
 1. 01 -> 02 -> 03 once into RUN_DIR (default bench/out/train04-<target>: the demo conversations,
    a 2048-token draft vocabulary, as bench/bench_04_recipe.py prepares them).
@@ -11,7 +11,7 @@ draft's bare step on the same batches already in memory; then where 04's step ti
    3 TTT steps fed the dataset's tokens, draft lm_head trained, noise, 1,024-token packs) as a
    subprocess, its epoch's tokens/s from train_report.json; upstream's trainer on the same rows
    (bench/upstream_speculators.py: its own environment .venv-speculators/, created by
-   scripts/setup_speculators_env.sh; its variant `upstream-muon-head`, the same recipe) for one
+   scripts/setup_speculators_env.sh, or by `--setup-upstream`; its variant `upstream-muon-head`, the same recipe) for one
    epoch, timed around its `train_epoch`; and the bare step: the draft and optimizer as 04 builds
    them, forward + backward + clip + optimizer + schedule over the epoch's collated batches held
    in a list (no loader, no Trainer, no metrics, no checkpoint: the ceiling of this machine).
@@ -244,11 +244,14 @@ def profile_04(run_dir: Path, target: Path, out: Path) -> Profile:
     return profile
 
 
-def run(target_name: str, run_dir: Path, repeats: int, with_upstream: bool) -> dict:
+def run(target_name: str, run_dir: Path, repeats: int, with_upstream: bool, setup_upstream: bool = False) -> dict:
     target = ensure_target(target_name) if target_name in ("flat", "kimi") else Path(target_name)
+    run_dir = run_dir.resolve()
     prepare(run_dir, target)
+    if with_upstream and not upstream.available() and setup_upstream:
+        subprocess.run(["bash", str(REPO_ROOT / upstream.SETUP)], cwd=REPO_ROOT, check=True)
     if with_upstream and not upstream.available():
-        print(upstream.missing_message())
+        print(upstream.missing_message() + " or pass --setup-upstream")
         with_upstream = False
     rates: dict[str, list[float]] = {"04": [], "upstream": [], "bare_step": []}
     steps = 0
@@ -296,10 +299,12 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=None, help="default: bench/out/train04-<target>")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-upstream", action="store_true", help="skip speculators 0.9.0's trainer")
+    parser.add_argument("--setup-upstream", action="store_true",
+                        help=f"create .venv-speculators/ first when it is missing ({upstream.SETUP}, about 2 minutes)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures and the profile here")
     args = parser.parse_args()
     run_dir = args.run_dir or REPO_ROOT / "bench" / "out" / f"train04-{Path(args.target).name}"
-    result = run(args.target, run_dir, args.repeats, not args.no_upstream)
+    result = run(args.target, run_dir, args.repeats, not args.no_upstream, args.setup_upstream)
     print(report(result))
     if args.json is not None:
         write_json(args.json, result)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create upstream speculators' environment (default .venv-speculators/ in the repository root, or $1),
-# used only by bench/bench_04_recipe.py's upstream-* variants. Not part of CI. speculators 0.9.0 requires
+# used only by bench/bench_04_recipe.py's upstream-* variants and bench/bench_04_train.py. Not part of CI. speculators 0.9.0 requires
 # torchvision/torchaudio but never imports them; their PyPI builds are CUDA ones that do not load
 # against the CPU torch, so they are removed as in setup_vllm_env.sh.
 set -euo pipefail
