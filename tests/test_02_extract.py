@@ -337,7 +337,7 @@ def test_an_error_other_than_out_of_memory_stops_the_run(kimi_target, tmp_path, 
 
 
 def test_systematic_out_of_memory_stops_past_the_skip_limit(kimi_target, tmp_path, monkeypatch):
-    from common.hidden_states.capture import MIN_SKIPPED_LIMIT
+    from common.errors import MIN_SKIPPED_LIMIT
 
     prepared = write_prepared(tmp_path / "prepared", kimi_target, MIN_SKIPPED_LIMIT + 4)
     monkeypatch.setattr(StateExtractor, "__call__", lambda self, ids: (_ for _ in ()).throw(

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import torch
 from tqdm import tqdm
 
-from common.errors import PipelineError
+from common.errors import PipelineError, first_line, skip_limit
 from common.hidden_states.files import NUM_STATES, Journal, file_digest, ids_digest, sample_path, save_sample
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
 from common.target.model import decoder_parts
@@ -37,7 +37,7 @@ WRITE_THREADS = 4  # file writes overlap the next forward pass
 MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten samples
 # Skipping is for the odd bad sample; past these limits the failures are systematic (a bug, a
 # device that is out of memory on every sample) and the run stops instead of skipping everything.
-MAX_SKIPPED_SHARE, MIN_SKIPPED_LIMIT, MAX_SKIPPED_IN_A_ROW = 0.01, 10, 20
+MAX_SKIPPED_IN_A_ROW = 20
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -184,10 +184,6 @@ def _is_out_of_memory(error: RuntimeError | MemoryError) -> bool:
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or any(w in text for w in OUT_OF_MEMORY_WORDS)
 
 
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-
-
 class ExtractionRun:
     """Extracts the planned batches of one shard into `out`, skipping the indices in `done`."""
 
@@ -200,13 +196,13 @@ class ExtractionRun:
         self.out = out
         self.show_progress = show_progress
         self.stats = ExtractStats()
-        self.skip_limit = MIN_SKIPPED_LIMIT
+        self.skip_limit = skip_limit(0)
         self.skipped_in_a_row = 0
 
     def run(self, batches: list[list[int]], done: set[int], lengths: dict[int, int]) -> ExtractStats:
         todo_tokens = sum(lengths[i] for batch in batches for i in batch if i not in done)
         todo_samples = sum(i not in done for batch in batches for i in batch)
-        self.skip_limit = max(MIN_SKIPPED_LIMIT, int(MAX_SKIPPED_SHARE * todo_samples))
+        self.skip_limit = skip_limit(todo_samples)
         start = time.perf_counter()
         pending: deque[Future] = deque()
         bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="extract", disable=not self.show_progress,
@@ -256,11 +252,11 @@ class ExtractionRun:
         except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
             if not _is_out_of_memory(error):
                 ids = ", ".join(s.sample_id for s in samples[:3]) + (", ..." if len(samples) > 3 else "")
-                raise PipelineError(f"extraction failed on samples {ids}: {_first_line(error)} "
+                raise PipelineError(f"extraction failed on samples {ids}: {first_line(error)} "
                                     "(only out-of-memory errors are retried)") from error
             _free_device_memory()
             if len(samples) == 1:
-                self._fail(samples[0], _first_line(error))
+                self._fail(samples[0], first_line(error))
                 return []
             half = len(samples) // 2
             return self.extract(samples[:half]) + self.extract(samples[half:])

@@ -31,14 +31,13 @@ from torch.utils.data import DataLoader
 
 from common.atomic import read_json
 from common.draft.model import DraftShape
-from common.errors import PipelineError
+from common.errors import PipelineError, first_line
 from common.hidden_states.files import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig, sample_index
 from common.hidden_states.sample_files import (
     CheckedDataLoader,
     CheckedSampleDataset,
     SkipTally,
     checked_collate,
-    first_line,
 )
 from common.hidden_states.storage import StateStorage, get_storage, standardize_fn
 from common.target.config import TargetInfo

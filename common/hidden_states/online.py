@@ -34,11 +34,9 @@ from speculators.train.data import shift_batch
 
 from common.atomic import format_bytes, read_json
 from common.data.prepared_dataset import check_prepared_target, load_prepared
-from common.errors import PipelineError
+from common.errors import PipelineError, first_line, skip_limit
 from common.hidden_states.capture import (
     DEFAULT_BATCH_TOKENS,
-    MAX_SKIPPED_SHARE,
-    MIN_SKIPPED_LIMIT,
     ExtractionRun,
     Sample,
     check_token_ids,
@@ -62,7 +60,7 @@ from common.hidden_states.files import (
     write_manifest,
 )
 from common.hidden_states.loader import HiddenStateData, LoaderSettings, ResumableBatchSampler
-from common.hidden_states.sample_files import CheckedSampleDataset, SkipTally, first_line
+from common.hidden_states.sample_files import CheckedSampleDataset, SkipTally
 from common.hidden_states.storage import StateStorage, StoredStates, get_storage, standardize_fn
 from common.runtime import Runtime
 from common.target.config import TargetInfo
@@ -338,7 +336,7 @@ def open_online_states(prepared_dir: Path, folder: Path, info: TargetInfo, runti
     with open_state_engine(runtime, info, trust_remote_code, layer_ids, storage, scratch, max(lengths.values()),
                            batch_tokens, (rank, world_size), gpu_memory_utilization) as extractor:
         run = ExtractionRun(extractor, ds, folder, show_progress=False)
-        run.skip_limit = max(MIN_SKIPPED_LIMIT, int(MAX_SKIPPED_SHARE * num_rows))
+        run.skip_limit = skip_limit(num_rows)
         yield OnlineStates(folder, config, {sample_path(folder, i): n for i, n in lengths.items()}, run=run,
                            engine=f"the target's engine ({runtime.describe()})", storage=storage,
                            batch_tokens=batch_tokens, prefetch=prefetch, kept=kept)

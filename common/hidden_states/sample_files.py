@@ -9,7 +9,7 @@ of the same length whose loss mask is all zero: the packing the sampler planned 
 attention is per sample, and a zero mask adds nothing to the loss (the library divides by the
 mask's sum plus 1e-5), so the placeholder trains nothing. Each skipped file is named once on
 stderr and counted (`SkipTally`, in 04's and 05's reports); past a share of the files
-(`MAX_SKIPPED_SHARE`, at least `MIN_SKIPPED_LIMIT`, as in step 02) the damage is systematic and
+(`common.errors.skip_limit`, as in step 02) the damage is systematic and
 the run stops with one line.
 
 Data-loader workers load in other processes, so a placeholder carries its file and reason in
@@ -29,17 +29,11 @@ from speculators.train.data import Eagle3SampleFileDataset
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from common.errors import PipelineError
+from common.errors import PipelineError, first_line, skip_limit
 
 SKIPPED = "skipped_file"  # batch key of the placeholders' (path, reason)
-MAX_SKIPPED_SHARE, MIN_SKIPPED_LIMIT = 0.01, 10
 
-__all__ = ["SKIPPED", "SkipTally", "CheckedSampleDataset", "CheckedDataLoader", "checked_collate", "first_line"]
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+__all__ = ["SKIPPED", "SkipTally", "CheckedSampleDataset", "CheckedDataLoader", "checked_collate"]
 
 
 class SkipTally:
@@ -51,7 +45,7 @@ class SkipTally:
         self.total = total
         self.what = what
         self.remedy = remedy
-        self.limit = max(MIN_SKIPPED_LIMIT, int(MAX_SKIPPED_SHARE * total))
+        self.limit = skip_limit(total)
         self.skipped: dict[str, str] = {}
 
     def add(self, path: str | Path, reason: str) -> None:

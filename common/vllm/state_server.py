@@ -25,7 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from common.vllm.worker import engine_kwargs, extract, first_line
+from common.errors import first_line
+from common.vllm.worker import engine_kwargs, extract
 
 
 def read_states(path: str) -> dict[str, Any]:

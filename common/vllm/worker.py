@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from common.errors import first_line
+
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -102,11 +104,6 @@ def sample(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int], 
 def answer(channel: TextIO, message: dict[str, Any]) -> None:
     channel.write(json.dumps(message) + "\n")
     channel.flush()
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def serve(settings: dict[str, Any], channel: TextIO) -> None:
