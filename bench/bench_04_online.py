@@ -80,7 +80,8 @@ def run(target_kind: str = "flat", samples: int = 200, seeds: tuple[int, ...] = 
 
     # 1. the same arithmetic: one sample per forward pass in 02 and online; the drafts byte for byte
     exact = base / "exact"
-    script("02_extract_hidden_states.py", *common, "--run-dir", exact, "--prepared", base / "prepared",
+    engine_flags = ["--engine", engine]  # 02 offline through the same engine as online
+    script("02_extract_hidden_states.py", *common, *engine_flags, "--run-dir", exact, "--prepared", base / "prepared",
            "--batch-tokens", 1)
     script("04_train.py", *train, "--run-dir", exact, "--output", exact / "offline")
     script("04_train.py", *train, *online, "--batch-tokens", 1, "--run-dir", exact / "online")
@@ -88,7 +89,7 @@ def run(target_kind: str = "flat", samples: int = 200, seeds: tuple[int, ...] = 
 
     # 2. the default batching, per seed: time, disk, and the drafts by 05
     offline_run = base / "offline"
-    seconds_02 = script("02_extract_hidden_states.py", *common, "--run-dir", offline_run, "--prepared",
+    seconds_02 = script("02_extract_hidden_states.py", *common, *engine_flags, "--run-dir", offline_run, "--prepared",
                         base / "prepared")
     bytes_02 = folder_bytes(offline_run / "hidden_states")
     rows = []
