@@ -1,4 +1,4 @@
-"""Adapting speculators 0.3.0 to Kimi-K2.5, to CPU training and to resuming: every
+"""Adapting speculators 0.3.0 to Kimi-K2.5, to CPU training, to resuming and to a faster step:
 monkey-patch the project applies to the library lives here, each small and explained.
 
     from common.draft import patch
