@@ -1,5 +1,5 @@
 """Adapting speculators 0.3.0 to Kimi-K2.5, to CPU training, to resuming and to a faster step:
-monkey-patch the project applies to the library lives here, each small and explained.
+every monkey-patch the project applies to the library lives here, each small and explained.
 
     from common.draft import patch
     patch.apply(trust_remote_code=True, compile_forward=torch.cuda.is_available())
