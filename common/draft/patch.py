@@ -222,6 +222,7 @@ _mask: AdditiveMask | None = None  # the current forward's
 def additive_mask(mask_mod, q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     global _mask
     if _mask is None or not _mask.matches(mask_mod, q_len, dtype):
+        _mask = None  # the last forward's mask is freed before the new one is made
         _mask = AdditiveMask(mask_mod, q_len, dtype, device)
     return _mask.up_to(kv_len)
 
@@ -308,6 +309,7 @@ _targets: VerifierTargets | None = None  # the batch's; the forward passes the s
 def targets_of(logits: torch.Tensor) -> VerifierTargets:
     global _targets
     if _targets is None or _targets.logits() is not logits:
+        _targets = None  # the last batch's are freed before the new ones are made
         _targets = VerifierTargets(logits)
     return _targets
 

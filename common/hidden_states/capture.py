@@ -35,8 +35,8 @@ from common.target.model import decoder_parts
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens per forward pass (02 and 04 --online --batch-tokens)
 WRITE_THREADS = 4  # file writes overlap the next forward pass
 MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten samples
-# Skipping is for the odd bad sample; past these limits the failures are systematic (a bug, a
-# device that is out of memory on every sample) and the run stops instead of skipping everything.
+# Skipping is for the odd bad sample; past `common.errors.skip_limit` or this many in a row the failures
+# are systematic (a bug, a device that is out of memory on every sample) and the run stops.
 MAX_SKIPPED_IN_A_ROW = 20
 
 

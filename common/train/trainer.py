@@ -4,8 +4,9 @@ speculators 0.3.0's own `Trainer`, subclassed in this one place.
 The subclass writes checkpoints a resumed run continues from exactly (fp32 state, RNG, data
 position; atomic; step checkpoints; mid-epoch resume: see common/train/checkpoints.py), builds the
 optimizer of `--optimizer` (common/train/optimizers.py) where the library builds its AdamW, runs the
-draft's forward under bf16 autocast where `--precision` asks for it, feeds the TTT steps the dataset's tokens or the draft's (`--ttt-inputs`), times each epoch and reports at
-its end to the metrics log (common/train/metrics.py). The data path is common/hidden_states/loader.py.
+draft's forward under bf16 autocast where `--precision` asks for it, feeds the TTT steps the
+dataset's tokens or the draft's (`--ttt-inputs`), times each epoch and reports at its end to the
+metrics log (common/train/metrics.py). The data path is common/hidden_states/loader.py.
 """
 
 from __future__ import annotations
