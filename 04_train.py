@@ -36,6 +36,7 @@ from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.errors import PipelineError
 from common.data.fingerprints import check_same_prepared
 from common.draft import patch
+from common.draft.eagle31 import norms_of
 from common.draft.model import (
     KIMI_CONFIG,
     TINY_CONFIG,
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in overrides:
         say(line)
     device = torch.device(default_device(None if distributed else args.device))  # torchrun: one GPU per rank
-    patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile)
+    patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile,
+                loss=settings.loss)
     output = Path(args.output or args.run_dir)
     data_dir, vocab_dir = stage_dir(args, "hidden_states", args.data), stage_dir(args, "vocab", args.vocab)
 
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                             (data.config.prepared_fingerprint, vocab.report.prepared_fingerprint))
 
         # 3. draft model, and the epoch to start at
-        config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.ttt_steps)
+        config = speculator_config(config_file.model, info, vocab.d2t.numel(), data.config.layer_ids, settings.served_k)
         resume = prepare_checkpoints(output / CHECKPOINTS, args.resume, config, vocab.d2t, is_main)
         if resume is not None:
             check_same_settings(resume, vars(settings))  # applied from the resumed step, or refused
@@ -224,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             f"aux layers {data.config.layer_ids}, rope theta {config.transformer_layer_config.rope_theta}, on {device}")
         say(f"recipe: {settings.optimizer}" + (f" (Muon lr {settings.muon_lr or settings.lr:g}, AdamW lr {settings.lr:g})"
                                                  if settings.optimizer == "muon" else f" (lr {settings.lr:g})")
-            + f", TTT steps fed the {'dataset' if settings.ttt_inputs == 'dataset' else 'draft'}'s tokens, init "
-            f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}")
+            + f", {settings.loss} loss over {settings.ttt_steps} TTT steps (decay {settings.ttt_step_loss_decay:g}) fed "
+            f"the {'dataset' if settings.ttt_inputs == 'dataset' else 'draft'}'s tokens, init "
+            f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}; "
+            f"chosen and exported for k = {settings.served_k}"
+            + ("; EAGLE-3.1 norms: " + ", ".join(n for n, on in norms_of(config).items() if on)
+               if any(norms_of(config).values()) else ""))
 
         # 4. data: the library's split, dataset, noise, packing sampler and collate
         train_files, val_files = split_data(data, settings)
@@ -257,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         if not is_main:
             return 0
 
-        # 6. export the best checkpoint by validation simulated acceptance length (the last without validation)
+        # 6. export the best checkpoint by validation simulated acceptance length at the served k (the last
+        #    without validation)
         epochs = numbered(output / CHECKPOINTS)
         records = read_log(output / LOG_FILE)
-        best = best_validation(records, epochs)
+        best = best_validation(records, epochs, settings.served_k)
         chosen = best.epoch if best else epochs[-1]
-        because = ("best validation simulated acceptance length" if best
+        because = (f"best validation simulated acceptance length at k = {settings.served_k}" if best
                    else "last checkpoint (no validation pass: --val-ratio 0)")
         draft_dir = export_draft(output / CHECKPOINTS / str(chosen), config, output / DRAFT,
                                  {SPLIT_FILE: split_record(data, train_files, val_files, settings, output / DRAFT)})
@@ -270,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f": {best.acceptance_length:.3f} after epoch {best.epoch + 1})" if best else ")"))
 
         # 7. summary
-        validation = last_validation(records)
+        validation = last_validation(records, settings.served_k)
         for line in validation.lines() if validation else ["no validation pass (--val-ratio 0)"]:
             print(line)
         report = TrainReport(

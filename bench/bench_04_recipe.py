@@ -83,7 +83,20 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
     "defaults-no-noise": ("defaults, noise off (as upstream)", ("--noise-std", "0")),
     "defaults-muon-wd": ("defaults, Muon weight decay 0.1 (upstream's)", ("--muon-weight-decay", "0.1")),
+    # issue 33: the 2026 choices, each alone on the defaults, then together
+    "loss-tv": ("defaults, TV loss", ("--loss", "tv")),
+    "loss-lk": ("defaults, LK loss (-log acceptance)", ("--loss", "lk")),
+    "loss-lk-hybrid": ("defaults, LK hybrid loss", ("--loss", "lk-hybrid")),
+    "loss-jsd": ("defaults, JSD loss", ("--loss", "jsd")),
+    "loss-rkl": ("defaults, reverse KL loss", ("--loss", "rkl")),
+    "ttt7": ("defaults, 7 TTT steps, decay 0.8", ("--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--select-k", "3")),
+    "eagle31": ("defaults, EAGLE-3.1 norms", ()),
+    "eagle31-lk-ttt7": ("defaults, EAGLE-3.1 norms, LK, 7 TTT steps",
+                        ("--loss", "lk", "--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--select-k", "3")),
 }
+# Variants trained with a draft shape other than configs/draft_tiny.json's: its `model` section changed so.
+SHAPE_CHANGES = {"eagle31": {"norm_before_fc": True, "norm_output": True},
+                 "eagle31-lk-ttt7": {"norm_before_fc": True, "norm_output": True}}
 CONTROL = ("control: defaults, noise 0.049", ("--noise-std", "0.049"))
 ALL_VARIANTS = VARIANTS | upstream.VARIANTS  # then speculators 0.9.0's own trainer (bench/upstream_speculators.py)
 
@@ -99,13 +112,15 @@ class Result:
     by_seed: dict[int, float]  # seed -> its acceptance length (vLLM's, else 05's)
 
     @classmethod
-    def read(cls, label: str, path: Path, seed: int) -> Result:
+    def read(cls, label: str, path: Path, seed: int, k: int) -> Result:
+        """The first draft's figures at `k` in 05's --json (under `by_k` when measured at several)."""
         report = json.loads(path.read_text())
-        served = report["drafts"][0].get("vllm")
-        result = cls(label, report["measured_acceptance_length"], report["acceptance_rate_per_position"],
+        draft = (report["by_k"][str(k)] if "by_k" in report else report)["drafts"][0]
+        served = draft.get("vllm")
+        result = cls(label, draft["measured_acceptance_length"], draft["acceptance_rate_per_position"],
                      served["measured_acceptance_length"] if served else None,
                      served["acceptance_rate_per_position"] if served else None,
-                     report["simulated_acceptance_length"], {})
+                     draft["simulated_acceptance_length"], {})
         result.by_seed[seed] = result.vllm if result.vllm is not None else result.measured
         return result
 
@@ -149,24 +164,43 @@ def prepare(run_dir: Path, target: Path) -> None:
     run("03_build_vocab_map.py", *common, "--draft-vocab-size", "2048")
 
 
+def draft_config(run_dir: Path, name: str) -> Path:
+    """configs/draft_tiny.json, or a copy in RUN_DIR with the variant's `SHAPE_CHANGES`."""
+    if name not in SHAPE_CHANGES:
+        return TINY_CONFIG
+    data = json.loads(Path(TINY_CONFIG).read_text())
+    data["model"].update(SHAPE_CHANGES[name])
+    path = run_dir / f"draft_config_{name}.json"
+    write_json(path, data)
+    return path
+
+
+def eval_file(run_dir: Path, name: str, seed: int, ks: list[int], vllm: bool) -> Path:
+    """Where 05's figures of a run at these k, with or without vLLM, go."""
+    return run_dir / folder(name, seed) / f"eval_k{'-'.join(map(str, ks))}{'_vllm' if vllm else ''}.json"
+
+
 def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: tuple[str, ...],
-                      max_prompts: int, vllm: bool, lr: float | None) -> Path:
+                      max_prompts: int, vllm: bool, lr: float | None, ks: list[int]) -> Path:
     out = run_dir / folder(name, seed)
-    result = out / "eval.json"
+    result = eval_file(run_dir, name, seed, ks, vllm)
     if result.is_file():
         return result
-    if name in upstream.VARIANTS:
+    if (out / "draft" / "config.json").is_file():
+        print(f"{out.name}: trained before; measured at k = {', '.join(map(str, ks))}", flush=True)
+    elif name in upstream.VARIANTS:
         upstream.train_and_export(run_dir, target, out, flags, seed, lr)
     else:
         if lr is not None and "--lr" not in flags:
             flags = (*flags, "--lr", str(lr))
         print(f"{out.name}: 04 {' '.join(flags) or '(defaults)'} --seed {seed}", flush=True)
-        run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", TINY_CONFIG, "--output",
-            out, *flags, "--seed", str(seed))
+        run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", draft_config(run_dir, name),
+            "--output", out, *flags, "--seed", str(seed))
     engine = ["--engine", "vllm"] if vllm else []
+    partial = result.with_suffix(".partial.json")
     run("05_evaluate.py", "--run-dir", run_dir, *target_args(target), "--draft", out / "draft", "--no-baselines",
-        "--max-prompts", str(max_prompts), *engine, "--json", out / "eval.partial.json")
-    (out / "eval.partial.json").replace(result)
+        "--max-prompts", str(max_prompts), "--num-speculative-tokens", *map(str, ks), *engine, "--json", partial)
+    partial.replace(result)
     return result
 
 
@@ -195,6 +229,8 @@ def parse_args() -> argparse.Namespace:
                         help="04's --seed of each run of a variant (a row is their mean; the split stays fixed)")
     parser.add_argument("--lr", type=float, help="the rate of every variant that does not set its own (04's and "
                                                  "upstream's; default: configs/draft_tiny.json's)")
+    parser.add_argument("--ks", type=int, nargs="+", default=[3],
+                        help="the k each draft is measured at (05's --num-speculative-tokens; one table per k)")
     parser.add_argument("--no-vllm", action="store_true", help="05's own decoder only")
     parser.add_argument("--control", action="store_true", help="also the defaults with a 2%% lower noise")
     parser.add_argument("--table-only", action="store_true", help="print the table of the variants already run")
@@ -214,21 +250,24 @@ def main() -> int:
     vllm = DEFAULT_VLLM_PYTHON.is_file() and not args.no_vllm
     if not args.table_only:
         prepare(args.run_dir, target)
-    results = []
+    paths: dict[str, list[tuple[int, Path]]] = {}
     for name, (label, flags) in chosen.items():
-        runs = []
         for seed in args.seeds:
-            path = args.run_dir / folder(name, seed) / "eval.json"
+            path = eval_file(args.run_dir, name, seed, args.ks, vllm)
             if not args.table_only:
-                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm, args.lr)
+                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm, args.lr,
+                                         args.ks)
             if path.is_file():
-                runs.append(Result.read(label, path, seed))
-        if runs:
-            results.append(Result.mean(runs))
-    print(f"target {target}, {args.run_dir}; k = 3, greedy, {args.max_prompts} held-out prompts, 64 new tokens; "
-          f"mean over seeds {' '.join(map(str, args.seeds))}")
-    print(table(results))
-    write_json(args.run_dir / "bench_recipe.json", {"target": str(target), "results": [vars(r) for r in results]})
+                paths.setdefault(name, []).append((seed, path))
+    by_k = {k: [Result.mean([Result.read(chosen[name][0], path, seed, k) for seed, path in runs])
+                for name, runs in paths.items()] for k in args.ks}
+    for k, results in by_k.items():
+        print(f"target {target}, {args.run_dir}; k = {k}, greedy, {args.max_prompts} held-out prompts, 64 new "
+              f"tokens; mean over seeds {' '.join(map(str, args.seeds))}")
+        print(table(results))
+    write_json(args.run_dir / "bench_recipe.json",
+               {"target": str(target), "results": [vars(r) for r in by_k[args.ks[0]]],
+                "by_k": {str(k): [vars(r) for r in results] for k, results in by_k.items()}})
     return 0
 
 

@@ -15,11 +15,11 @@ on the same data, vocabulary, draft shape and budget as 04, then served by 05 li
 3. `export`: the last epoch's checkpoint renamed into 04's draft folder format (speculators 0.3.0
    config, bf16, d2t/t2d, 04's `validation_split.json`), which 05 and vLLM load like 04's drafts.
 
-The drafts keep 04's architecture (`--no-norm-before-fc --no-norm-output`: no RMSNorm before `fc`,
-the pre-norm state fed across TTT steps): upstream's eagle3 defaults add both norms, which 04's
-speculators 0.3.0 model and 05's decoder do not have (vLLM has them). Everything else is upstream's
-own: its loss (KL to the target), Muon's weight decay 0.1, no noise augmentation, no `post_init`
-seed of ours.
+The drafts keep 04's default architecture (`--no-norm-before-fc --no-norm-output`: no RMSNorm before
+`fc`, the pre-norm state fed across TTT steps) unless the variant asks for upstream's eagle3 defaults
+(`upstream-31-*`: both norms, EAGLE-3.1), which 04's drafts have as a config option
+(common/draft/eagle31.py). Everything else is upstream's own: its loss (KL to the target, or the
+variant's `--loss-fn`), Muon's weight decay 0.1, no noise augmentation, no `post_init` seed of ours.
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, upst
     "upstream-muon": ("speculators 0.9.0: Muon, lm_head frozen", ()),
     "upstream-muon-head": ("speculators 0.9.0: Muon, lm_head trained", ("--trainable-lm-head",)),
     "upstream-adamw": ("speculators 0.9.0: AdamW, lm_head frozen", ("--optimizer", "adamw")),
+    # its eagle3 defaults since #692 (EAGLE-3.1's norms), and its acceptance loss (issue 33)
+    "upstream-31-head": ("speculators 0.9.0: EAGLE-3.1 norms, lm_head trained",
+                         ("--trainable-lm-head", "--norm-before-fc", "--norm-output")),
+    "upstream-31-head-lk": ("speculators 0.9.0: EAGLE-3.1 norms, lm_head trained, LK loss (nla)",
+                            ("--trainable-lm-head", "--norm-before-fc", "--norm-output", "--loss-fn", "nla")),
 }
 
 
@@ -206,14 +211,14 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int) 
     """The checkpoint as a 04 draft folder (its config as 04 writes it for this shape; its split
     record names the run's `seed`)."""
     saved = json.loads((checkpoint / "config.json").read_text())
-    extra = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if saved.get(k)]
-    if extra:
-        raise SystemExit(f"{checkpoint}: {', '.join(extra)} set; 04's draft format has no such norms")
+    if saved.get("fc_norm"):
+        raise SystemExit(f"{checkpoint}: fc_norm set; 04's draft format has no such norms")
     s = split(run_dir)
     info = load_target_info(target, trust_remote_code=True)  # the miniatures, or a target the user passed
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
-    config = speculator_config(read_config_file(TINY_CONFIG).model, info, vocab.d2t.numel(),
-                               s.data.config.layer_ids, s.settings.ttt_steps)
+    shape = replace(read_config_file(TINY_CONFIG).model, norm_before_fc=bool(saved.get("norm_before_fc")),
+                    norm_output=bool(saved.get("norm_output")))
+    config = speculator_config(shape, info, vocab.d2t.numel(), s.data.config.layer_ids, s.settings.ttt_steps)
     state = {k: v for k, v in load_file(str(checkpoint / WEIGHTS_FILE)).items() if k not in DROPPED}
     if not torch.equal(state["d2t"], vocab.d2t) or not torch.equal(state["t2d"], vocab.t2d):
         raise SystemExit(f"{checkpoint}: its vocabulary maps are not {run_dir / 'vocab'}'s")

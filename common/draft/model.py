@@ -11,7 +11,7 @@ theta 10000, while Kimi-K2.5 uses yarn with theta 50000.
 The exported folder is speculators' format as vLLM reads it: `config.json`
 (`speculators_model_type: eagle3`, `draft_vocab_size`, `eagle_aux_hidden_state_layer_ids`,
 `transformer_layer_config` with the target's rope settings, a `verifier` block with the
-target's path and architecture) and `model.safetensors` in bf16 with `d2t`/`t2d` and without
+target's path and architecture, and EAGLE-3.1's `norm_before_fc` / `norm_output`) and `model.safetensors` in bf16 with `d2t`/`t2d` and without
 `verifier_lm_head` (a frozen copy of the target's lm_head rows, used only to make training
 targets). speculators 0.3.0's `Eagle3DraftModel.from_pretrained` fails on such a folder
 (`unexpected keyword argument 'verifier'`), so `load_draft` builds the model itself.
@@ -37,7 +37,8 @@ from transformers import LlamaConfig
 
 from common.atomic import write_dir, write_json
 from common.defaults import CONFIG_DIR
-from common.draft import patch
+from common.draft import eagle31, patch
+from common.draft.eagle31 import norms_of
 from common.errors import PipelineError
 from common.target.config import TargetInfo
 
@@ -67,6 +68,8 @@ class DraftShape:
     hidden_act: str = "silu"
     draft_vocab_size: int | None = None  # None: whatever 03 chose (the length of d2t)
     norm_before_residual: bool = True
+    norm_before_fc: bool = False  # EAGLE-3.1: RMSNorm over the auxiliary states before fc (common/draft/eagle31.py)
+    norm_output: bool = False  # EAGLE-3.1: each draft step hands the next its post-norm state
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ def speculator_config(shape: DraftShape, info: TargetInfo, draft_vocab_size: int
         draft_vocab_size=draft_vocab_size,
         norm_before_residual=shape.norm_before_residual,
         eagle_aux_hidden_state_layer_ids=list(layer_ids),
+        # not fields of 0.3.0's config: kept as its extra fields, written to config.json where vLLM reads them
+        norm_before_fc=shape.norm_before_fc, norm_output=shape.norm_output,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens)],
@@ -167,8 +172,11 @@ def speculator_config(shape: DraftShape, info: TargetInfo, draft_vocab_size: int
 
 
 def build_draft(config: Eagle3SpeculatorConfig, t2d: torch.Tensor, d2t: torch.Tensor) -> Eagle3DraftModel:
-    """A fresh draft; its embeddings and lm_head come from the target (needs `patch.apply()`)."""
-    return Eagle3DraftModel(config=config, t2d=t2d, d2t=d2t)
+    """A fresh draft, with the EAGLE-3.1 norms its config asks for; its embeddings and lm_head
+    come from the target (needs `patch.apply()`)."""
+    model = Eagle3DraftModel(config=config, t2d=t2d, d2t=d2t)
+    eagle31.install(model, **eagle31.norms_of(config))
+    return model
 
 
 def config_differences(saved: Eagle3SpeculatorConfig, ours: Eagle3SpeculatorConfig) -> list[str]:
@@ -176,6 +184,7 @@ def config_differences(saved: Eagle3SpeculatorConfig, ours: Eagle3SpeculatorConf
     pairs = [(f, getattr(saved.transformer_layer_config, f, None), getattr(ours.transformer_layer_config, f, None))
              for f in LAYER_FIELDS]
     pairs += [(f, getattr(saved, f), getattr(ours, f)) for f in DRAFT_FIELDS]
+    pairs += [(f, norms_of(saved)[f], norms_of(ours)[f]) for f in eagle31.NORMS]
     return [f"{name} {a} there, {b} now" for name, a, b in pairs if a != b]
 
 

@@ -1,4 +1,4 @@
-"""Adapting speculators 0.3.0 to Kimi-K2.5, to CPU training, to resuming and to a faster step:
+"""Adapting speculators 0.3.0 to Kimi-K2.5, to CPU training, to resuming, to a faster step and to more losses:
 every monkey-patch the project applies to the library lives here, each small and explained.
 
     from common.draft import patch
@@ -34,13 +34,17 @@ with other arguments replaces the earlier choice. What it installs:
 
 6. The draft's loss (`compute_metrics`, once per TTT step) takes the softmax of the verifier's
    logits and their argmax again at every step, and writes its KL divergence as a [tokens,
-   vocabulary] product, masked element by element, for the loss to sum. Where the forward runs
-   eagerly (CPU, `compile_forward=False`) ours computes the softmax, the target entropy term and
-   the argmax once per batch and slices them per step (softmax and argmax work row by row, so a
-   row's values are the same), and masks per token after summing over the vocabulary. The
-   gradients are bitwise the library's (the same products in the same order: see `kl_loss`); the
-   loss value it logs differs from the library's by float rounding of the sum. Compiled, the
-   library's function stays: the compiler fuses its elementwise work itself.
+   vocabulary] product, masked element by element, for the loss to sum. Ours computes the
+   softmax, the target entropy term and the argmax once per batch and slices them per step
+   (softmax and argmax work row by row, so a row's values are the same), and masks per token
+   after summing over the vocabulary. The gradients are bitwise the library's (the same products
+   in the same order: see `kl_loss`); the loss value it logs differs from the library's by float
+   rounding of the sum. It also offers the losses aimed at acceptance itself (`LOSSES`, chosen
+   with `apply(loss=...)`, defined in `divergence`), which 0.3.0 lacks. Compiled with the KL
+   loss, the library's function stays: the compiler fuses its elementwise work itself.
+
+The EAGLE-3.1 norms (speculators 0.9.0's `norm_before_fc` / `norm_output`) are hooks on one draft,
+not a patch of the library: see `common.draft.eagle31`.
 
 The Trainer's device (it calls `model.to(local_rank)`, an int meaning CUDA) is handled where
 the Trainer is configured: see `trainer_device`.
@@ -48,6 +52,7 @@ the Trainer is configured: see `trainer_device`.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,15 +84,20 @@ ORIGINAL_CREATE_BLOCK_MASK = library_core.create_block_mask
 BLOCK_SIZE = 128  # FlexAttention's default block, the library's
 
 
-def apply(*, trust_remote_code: bool = False, compile_forward: bool = True) -> None:
+def apply(*, trust_remote_code: bool = False, compile_forward: bool = True, loss: str = "kl") -> None:
     """Install the fixes above. `trust_remote_code` is used to read the target's config
-    (Kimi-K2.5's is remote code); `compile_forward=False` runs the draft's forward eagerly."""
+    (Kimi-K2.5's is remote code); `compile_forward=False` runs the draft's forward eagerly;
+    `loss` is the divergence the draft trains on (one of `LOSSES`, see `divergence`)."""
+    global _loss
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r}: expected one of {', '.join(LOSSES)}")
+    _loss = loss
     Eagle3DraftModel._setup_embeddings_and_lm_heads = _make_setup(trust_remote_code)
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention_forward)
     library_trainer.SingleGPUCheckpointer = DeviceAgnosticCheckpointer
     Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
     library_trainer.dist = AVERAGING_DIST
-    library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if compile_forward else compute_metrics
+    library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if compile_forward and loss == "kl" else compute_metrics
     library_core.create_block_mask = ORIGINAL_CREATE_BLOCK_MASK if compile_forward else create_block_mask
 
 
@@ -290,28 +300,50 @@ class _AveragingDistributed:
 AVERAGING_DIST = _AveragingDistributed()
 
 
-# --- 6. the loss: the verifier's softmax once per batch ---
+# --- 6. the loss: the verifier's softmax once per batch, and the choice of divergence ---
+
+LOSSES = ("kl", "tv", "lk", "lk-hybrid", "jsd", "rkl")
+LK_HYBRID_ETA = 3.0  # the LK paper's best hybrid setting (arXiv 2602.23881), upstream's default
+OVERLAP_FLOOR = 1e-5  # -log of the overlap is taken at no less than this (upstream's `_NLA_EPS`)
+_loss = "kl"  # set by `apply(loss=...)`
+
 
 class VerifierTargets:
     """What every TTT step of one batch reads from the verifier's logits [1, T, V]: their softmax,
-    the per-token sum of p log p (the KL divergence's entropy term) and the argmax."""
+    the per-token sum of p log p (the KL divergence's entropy term), the argmax, and (for the
+    losses that need it) their log-softmax."""
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = weakref.ref(logits)
         self.p = torch.softmax(logits, dim=-1)
         self.p_log_p = torch.special.xlogy(self.p, self.p).sum(-1)  # [1, T]; 0 where p underflows to 0
         self.ids = torch.argmax(logits, dim=-1)
+        self.log_p = torch.log_softmax(logits, dim=-1) if _loss in ("jsd", "rkl") else None
 
 
 _targets: VerifierTargets | None = None  # the batch's; the forward passes the same logits tensor to every step
 
 
 def targets_of(logits: torch.Tensor) -> VerifierTargets:
+    """The batch's `VerifierTargets`, made at its first TTT step. A compiled forward makes them
+    at every step (the compiler fuses that work itself; it cannot trace the cache)."""
     global _targets
+    if torch.compiler.is_compiling():
+        return VerifierTargets(logits)
     if _targets is None or _targets.logits() is not logits:
         _targets = None  # the last batch's are freed before the new ones are made
         _targets = VerifierTargets(logits)
     return _targets
+
+
+def masked_mean(per_token: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """The library's reduction: the sum over the masked tokens divided by their count (+1e-5)."""
+    if loss_mask is not None:
+        per_token = per_token * loss_mask
+        denominator: torch.Tensor | int = loss_mask.sum(dim=1) + 1e-5
+    else:
+        denominator = per_token.shape[1]
+    return (per_token.sum(dim=1) / denominator).mean()
 
 
 def kl_loss(logits: torch.Tensor, p: torch.Tensor, p_log_p: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -320,13 +352,44 @@ def kl_loss(logits: torch.Tensor, p: torch.Tensor, p_log_p: torch.Tensor, loss_m
     `-p * (g / denominator * mask)`, the product the library's `kl_div` backward forms: a 0/1
     mask multiplies the same scalar on either side, so the gradients are the same bits."""
     cross = (p * F.log_softmax(logits, dim=-1)).sum(-1)  # [1, T']
-    per_token = p_log_p - cross
-    if loss_mask is not None:
-        per_token = per_token * loss_mask
-        denominator: torch.Tensor | int = loss_mask.sum(dim=1) + 1e-5
-    else:
-        denominator = logits.shape[1]
-    return (per_token.sum(dim=1) / denominator).mean()
+    return masked_mean(p_log_p - cross, loss_mask)
+
+
+def divergence(name: str, logits: torch.Tensor, t: VerifierTargets, step: int) -> torch.Tensor:
+    """Per token [1, T'], between the verifier's p (the batch's targets from TTT step `step` on)
+    and the draft's q = softmax(logits), as speculators 0.9.0's `losses/eager.py` defines them:
+    - tv: total variation 1 - sum_v min(p_v, q_v). The acceptance probability of speculative
+      sampling is sum_v min(p_v, q_v) = 1 - TV(p, q) (Leviathan et al. 2023, Thm 3.5).
+    - lk: -log sum_v min(p_v, q_v), the negative log acceptance rate: the LK^alpha loss of
+      "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding" (Samarin et al.,
+      arXiv 2602.23881; upstream's "nla"); its gradient is TV's divided by the acceptance rate, so
+      it does not vanish while the draft is far from the target.
+    - lk-hybrid: lambda KL(p || q) + (1 - lambda) TV(p, q), lambda = exp(-eta sg(alpha)) with
+      eta 3: the same paper's LK^lambda, KL's gradient early, TV's as acceptance grows.
+    - jsd: 0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2 (Lin 1991).
+    - rkl: reverse KL(q || p), mode-seeking."""
+    p = t.p[:, step:]
+    if name in ("tv", "lk", "lk-hybrid"):
+        overlap = torch.minimum(torch.softmax(logits, dim=-1), p).sum(-1)
+        if name == "tv":
+            return 1.0 - overlap
+        if name == "lk":
+            return -torch.log(overlap.clamp_min(OVERLAP_FLOOR))
+        kl = t.p_log_p[:, step:] - (p * F.log_softmax(logits, dim=-1)).sum(-1)
+        weight = torch.exp(-LK_HYBRID_ETA * overlap.detach())
+        return weight * kl + (1.0 - weight) * (1.0 - overlap)
+    log_q, log_p = F.log_softmax(logits, dim=-1), t.log_p[:, step:]
+    if name == "rkl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    log_m = torch.logaddexp(log_q, log_p) - math.log(2.0)
+    return 0.5 * ((p * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1))
+
+
+def step_loss(logits: torch.Tensor, t: VerifierTargets, step: int, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """One TTT step's loss under the chosen divergence (`apply(loss=...)`)."""
+    if _loss == "kl":
+        return kl_loss(logits, t.p[:, step:], t.p_log_p[:, step:], loss_mask)
+    return masked_mean(divergence(_loss, logits, t, step), loss_mask)
 
 
 @torch.no_grad()
@@ -348,11 +411,11 @@ def compute_metrics(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torc
                     prev_correct: torch.Tensor | None, ttt_step: int,
                     ttt_step_loss_decay: float) -> tuple[torch.Tensor, dict]:
     """The library's `compute_metrics` (same arguments, results and in-place update of
-    `prev_correct`) over the batch's `VerifierTargets`, sliced to the step."""
+    `prev_correct`) over the batch's `VerifierTargets`, sliced to the step, with the chosen loss."""
     t = targets_of(targets)
     s_logits, _, s_loss_mask, s_prev_correct = library_core.align_for_step(logits, targets, loss_mask, prev_correct,
                                                                            ttt_step)
-    s_loss = ttt_step_loss_decay**ttt_step * kl_loss(s_logits, t.p[:, ttt_step:], t.p_log_p[:, ttt_step:], s_loss_mask)
+    s_loss = ttt_step_loss_decay**ttt_step * step_loss(s_logits, t, ttt_step, s_loss_mask)
     full_acc, cond_acc = accuracy(s_logits, t.ids[:, ttt_step:], s_loss_mask, s_prev_correct)
     return s_loss, {f"loss_{ttt_step}": s_loss.detach().clone(), f"full_acc_{ttt_step}": full_acc,
                     f"cond_acc_{ttt_step}": cond_acc}

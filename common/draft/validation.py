@@ -39,21 +39,24 @@ class ValSummary:
     full_acc: list[float]
     cond_acc: list[float]
     loss_per_step: list[float]
-    acceptance_length: float
+    acceptance_length: float  # simulated, at k
+    k: int  # draft tokens per verification the acceptance length is simulated for
 
     @classmethod
-    def from_metrics(cls, metrics: dict[str, float], epoch: int) -> ValSummary:
+    def from_metrics(cls, metrics: dict[str, float], epoch: int, k: int | None = None) -> ValSummary:
+        """`k`: the served k (default: every TTT step validated)."""
         cond = per_step(metrics, "cond_acc")
+        k = len(cond) if k is None else min(k, len(cond))
         return cls(epoch=epoch, loss=metrics["loss"], full_acc=per_step(metrics, "full_acc"), cond_acc=cond,
-                   loss_per_step=per_step(metrics, "loss"), acceptance_length=simulated_acceptance_length(cond))
+                   loss_per_step=per_step(metrics, "loss"), acceptance_length=simulated_acceptance_length(cond[:k]), k=k)
 
     def lines(self) -> list[str]:
         rows = [f"validation after epoch {self.epoch + 1}: loss {self.loss:.4f}",
                 "  TTT step   loss      full acc   cond acc"]
         rows += [f"  {k:>8}   {lo:<8.4f}  {fa:<9.3f}  {ca:.3f}"
                  for k, (lo, fa, ca) in enumerate(zip(self.loss_per_step, self.full_acc, self.cond_acc))]
-        rows.append(f"simulated acceptance length: {self.acceptance_length:.3f} "
-                    "(1 + sum over k of the product of cond acc up to k)")
+        rows.append(f"simulated acceptance length at k = {self.k}: {self.acceptance_length:.3f} "
+                    "(1 + sum over steps i < k of the product of cond acc up to i)")
         return rows
 
 

@@ -38,7 +38,7 @@ STATE_FORMAT = 2
 SPLIT_BY_ROW_FORMAT = 2  # from this format on, the run split its data by prepared row (loader.py's split_rows)
 KEEP_STEP_CHECKPOINTS = 2
 # Training settings a resumed run may change: each takes effect from the resumed step.
-CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every")
+CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every", "select_k")  # select_k: which epoch is exported
 
 
 def rng_file(rank: int) -> str:

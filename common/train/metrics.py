@@ -134,16 +134,16 @@ def strip_epoch_suffix(metrics: dict[str, float]) -> dict[str, float]:
     return {k.removesuffix("_epoch"): v for k, v in metrics.items()}
 
 
-def last_validation(records: list[dict]) -> ValSummary | None:
+def last_validation(records: list[dict], k: int | None = None) -> ValSummary | None:
     vals = [r for r in records if "val" in r]
-    return ValSummary.from_metrics(strip_epoch_suffix(vals[-1]["val"]), vals[-1]["epoch"]) if vals else None
+    return ValSummary.from_metrics(strip_epoch_suffix(vals[-1]["val"]), vals[-1]["epoch"], k) if vals else None
 
 
-def best_validation(records: list[dict], epochs: list[int]) -> ValSummary | None:
-    """The validation pass with the highest simulated acceptance length among `epochs` (those with
-    a checkpoint), as SpecForge and TorchSpec pick the draft to ship; on a tie the later epoch.
-    None without validation passes."""
-    vals = [ValSummary.from_metrics(strip_epoch_suffix(r["val"]), r["epoch"]) for r in records if "val" in r]
+def best_validation(records: list[dict], epochs: list[int], k: int | None = None) -> ValSummary | None:
+    """The validation pass with the highest simulated acceptance length at `k` (the served k;
+    default every step validated) among `epochs` (those with a checkpoint), as SpecForge and
+    TorchSpec pick the draft to ship; on a tie the later epoch. None without validation passes."""
+    vals = [ValSummary.from_metrics(strip_epoch_suffix(r["val"]), r["epoch"], k) for r in records if "val" in r]
     vals = [v for v in vals if v.epoch in epochs]
     return max(vals, key=lambda v: (v.acceptance_length, v.epoch)) if vals else None
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from common.draft.model import DraftConfigFile, checked_fields
+from common.draft.patch import LOSSES
 from common.errors import PipelineError
 
 SCHEDULERS = ("linear", "cosine", "none")
@@ -34,8 +35,17 @@ class TrainSettings:
 
     epochs: int = _setting(3, "training epochs")
     lr: float = _setting(1e-4, "peak learning rate")
-    ttt_steps: int = _setting(3, "draft tokens trained per position (test-time-training steps)")
+    ttt_steps: int = _setting(3, "draft tokens trained per position (test-time-training steps); may exceed the k "
+                                 "served (--select-k), as the EAGLE-3 reference trains 7 with decay 0.8")
     ttt_step_loss_decay: float = _setting(1.0, "weight of TTT step k's loss is decay**k")
+    select_k: int | None = _setting(None, "the k the draft will be served at (vLLM's num_speculative_tokens): the "
+                                          "epoch exported is the one with the best validation simulated acceptance "
+                                          "length at this k, and the exported config proposes k tokens (default: "
+                                          "--ttt-steps)")
+    loss: str = _setting("kl", "the divergence trained on, per token, between the target's p and the draft's q: "
+                               "'kl' (forward KL, EAGLE-3's), 'tv' (total variation; acceptance = 1 - TV), 'lk' "
+                               "(-log acceptance, LK^alpha of arXiv 2602.23881), 'lk-hybrid' (its LK^lambda: KL "
+                               "blended into TV as acceptance grows), 'jsd' (Jensen-Shannon) or 'rkl' (reverse KL)")
     ttt_inputs: str = _setting("dataset", "what TTT step k+1 reads in training: 'dataset' (the data's next tokens, "
                                           "teacher-forced, as upstream speculators) or 'draft' (the draft's own "
                                           "guesses of step k, this project's behaviour before)")
@@ -94,6 +104,8 @@ class TrainSettings:
                  (f"--muon-weight-decay {self.muon_weight_decay}", self.muon_weight_decay >= 0, "0 or more"),
                  (f"--ttt-steps {self.ttt_steps}", self.ttt_steps >= 1, "at least 1"),
                  (f"--ttt-step-loss-decay {self.ttt_step_loss_decay}", self.ttt_step_loss_decay > 0, "positive"),
+                 (f"--select-k {self.select_k}", self.select_k is None or self.select_k >= 1, "at least 1"),
+                 (f"--loss {self.loss}", self.loss in LOSSES, f"one of {', '.join(LOSSES)}"),
                  (f"--ttt-inputs {self.ttt_inputs}", self.ttt_inputs in TTT_INPUTS, f"one of {', '.join(TTT_INPUTS)}"),
                  (f"--optimizer {self.optimizer}", self.optimizer in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
                  (f"--init {self.init}", self.init in INITS, f"one of {', '.join(INITS)}"),
@@ -116,15 +128,22 @@ class TrainSettings:
         bf16 = self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda")
         return torch.bfloat16 if bf16 else None
 
+    @property
+    def served_k(self) -> int:
+        """The k the draft is chosen and exported for (`--select-k`, default `--ttt-steps`)."""
+        return self.select_k or self.ttt_steps
+
     def call_kwargs(self) -> dict[str, Any]:
         """The draft's forward arguments of a validation pass: TTT steps read the draft's own
-        guesses, as they do when the draft serves."""
-        return {"ttt_steps": self.ttt_steps, "ttt_step_loss_decay": self.ttt_step_loss_decay}
+        guesses, as they do when the draft serves, as many as trained and at least the served k
+        (the simulated acceptance length at k needs k steps)."""
+        return {"ttt_steps": max(self.ttt_steps, self.served_k), "ttt_step_loss_decay": self.ttt_step_loss_decay}
 
     def train_call_kwargs(self) -> dict[str, Any]:
         """The draft's forward arguments of a training step (the library's name for teacher forcing:
         `use_off_policy_tokens`)."""
-        return {**self.call_kwargs(), "use_off_policy_tokens": self.ttt_inputs == "dataset"}
+        return {"ttt_steps": self.ttt_steps, "ttt_step_loss_decay": self.ttt_step_loss_decay,
+                "use_off_policy_tokens": self.ttt_inputs == "dataset"}
 
 
 def flag_specs() -> dict[str, dict[str, Any]]:
