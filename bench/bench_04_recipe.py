@@ -1,19 +1,22 @@
-"""Benchmark of 04's training recipe: the choices of issue 20, each alone and together, on the same data and budget.
+"""Benchmark of 04's training recipe: each choice alone and together, on the same data and budget,
+against upstream speculators 0.9.0's own trainer, at one or several k.
 
     python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
-        [--variants before,teacher-forced,...,upstream-muon] [--seeds 0 1 2] [--lr RATE] [--no-vllm] [--control]
-        [--table-only]
-    # flat miniature: about 5 minutes per variant on 2 quiet CPU cores (04 3, 05 1, vLLM 1-2), far more when shared;
-    # figures in RUN_DIR/bench_recipe.json
+        [--variants defaults,loss-lk,...,upstream-31-head] [--seeds 0 1 2] [--ks 3 5 8] [--lr RATE] [--no-vllm]
+        [--control] [--table-only]
+    # flat miniature: about 5 minutes per variant and seed on 2 quiet CPU cores at one k (04 3, 05 1, vLLM 1-2),
+    # about 4 more per further k with vLLM; figures in RUN_DIR/bench_recipe.json
 
 1. 01 -> 02 -> 03 once into RUN_DIR (the demo conversations, a 2048-token draft vocabulary), unless
    RUN_DIR/vocab already exists.
 2. Per variant, 04 into RUN_DIR/<variant>/ with configs/draft_tiny.json's budget (3 epochs, lr 1.8e-2,
-   3 TTT steps, linear schedule, 1% warm-up) and the variant's flags, then 05 on its exported draft:
-   the held-out first turns (`--max-prompts`, 04's 58 validation rows), 64 new tokens, k = 3, greedy,
-   with vLLM too (`--engine vllm`) when .venv-vllm exists and `--no-vllm` is not given. A variant
-   whose RUN_DIR/<variant>/eval.json exists is not run again (delete the folder to redo it).
-3. A table, side by side: 05's measured acceptance length and per-position acceptance rates,
+   3 TTT steps, linear schedule, 1% warm-up) and the variant's flags (and draft shape: `SHAPE_CHANGES`),
+   then 05 on its exported draft: the held-out first turns (`--max-prompts`, 04's 58 validation rows),
+   64 new tokens, greedy, at each k of `--ks` (default 3), with vLLM too (`--engine vllm`) when
+   .venv-vllm exists and `--no-vllm` is not given. A variant whose figures for these k and engine
+   exist (RUN_DIR/<variant>/eval_k3-5-8_vllm.json) is not run again; one trained before is only
+   measured (delete the folder to redo it).
+3. A table per k, side by side: 05's measured acceptance length and per-position acceptance rates,
    vLLM's, and 05's simulated acceptance length over the held-out rows (04's validation measure).
 
 `--seeds 0 1 2` trains every variant once per seed (`--seed`: the draft's initialisation, the packing
@@ -27,17 +30,21 @@ too: a rate tried on both trainers (in a run folder of its own, as every variant
 The `upstream-*` variants train the same draft with speculators 0.9.0's own trainer instead of 04,
 on the same rows, vocabulary, shape and budget, in its own environment (bench/upstream_speculators.py;
 run only when .venv-speculators/ exists: scripts/setup_speculators_env.sh), and are measured by 05
-the same way: `upstream-muon` (its defaults: Muon, draft lm_head frozen), `upstream-muon-head`
-(lm_head trained, as 04 does), `upstream-adamw` (AdamW, lm_head frozen).
+the same way: `upstream-muon` (its defaults but 04's architecture: Muon, draft lm_head frozen),
+`upstream-muon-head` (lm_head trained, as 04 does), `upstream-adamw` (AdamW, lm_head frozen),
+`upstream-31-head` (its eagle3 defaults with EAGLE-3.1's norms, lm_head trained) and
+`upstream-31-head-lk` (the same with its LK loss, `nla`).
 
-Variants: `before` is 04 before issue 20 (AdamW, TTT steps fed the draft's own guesses, PyTorch's
-initialisation, draft lm_head trained, lr 6e-3); each `+ ...` row changes one thing from it (`+ lr
-1.8e-2`: the config's rate now); `defaults` is 04 with no recipe flag; `defaults, frozen lm_head` and
-`defaults, noise off` and `defaults, Muon weight decay 0.1` change it as upstream does (its head frozen;
-no noise augmentation; its Muon weight decay). `--control`
-adds the defaults with a 2% lower training noise, a nudge that should not matter: how far it moves
-the figures is a lower bound of the noise (another initialisation and packing order moves them more:
-README, 04's training recipe).
+Variants of 04, issue 20's: `before` is 04 before issue 20 (AdamW, TTT steps fed the draft's own
+guesses, PyTorch's initialisation, draft lm_head trained, lr 6e-3); each `+ ...` row changes one thing
+from it (`+ lr 1.8e-2`: the config's rate now); `defaults` is 04 with no recipe flag; `defaults, frozen
+lm_head` and `defaults, noise off` and `defaults, Muon weight decay 0.1` change it as upstream does (its
+head frozen; no noise augmentation; its Muon weight decay). Issue 33's, each on the defaults: `loss-*`
+(`--loss`), `ttt7` (7 TTT steps with loss decay 0.8, as the EAGLE-3 reference trains, the epoch chosen
+at k = 3), `eagle31` (the draft config's `norm_before_fc` and `norm_output`), and `eagle31-lk-ttt7`
+(the three together). `--control` adds the defaults with a 2% lower training noise, a nudge that
+should not matter: how far it moves the figures is a lower bound of the noise (another initialisation
+and packing order moves them more: README, 04's training recipe).
 """
 
 from __future__ import annotations
@@ -193,7 +200,9 @@ def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: 
     else:
         if lr is not None and "--lr" not in flags:
             flags = (*flags, "--lr", str(lr))
-        print(f"{out.name}: 04 {' '.join(flags) or '(defaults)'} --seed {seed}", flush=True)
+        shape = "".join(f" {k}={v}" for k, v in SHAPE_CHANGES.get(name, {}).items())
+        print(f"{out.name}: 04 {' '.join(flags) or '(defaults)'} --seed {seed}{' draft:' + shape if shape else ''}",
+              flush=True)
         run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", draft_config(run_dir, name),
             "--output", out, *flags, "--seed", str(seed))
     engine = ["--engine", "vllm"] if vllm else []

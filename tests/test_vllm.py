@@ -1,9 +1,9 @@
 """`--engine vllm` at both ends, with vLLM's CPU build from .venv-vllm (scripts/setup_vllm_env.sh).
 
 On the flat miniature: 02's vLLM files equal the HF engine's within bf16 tolerance, and resume
-keeps them; 05 serves two trained drafts in fp32 on MT-Bench-format prompts, vLLM's output is
-the same with and without speculation at temperature 0 and equals 05's own, and its acceptance
-length equals 05's within 1%. On the Kimi-style miniature with bf16 experts (MLA, DeepSeek-V3 MoE,
+keeps them; 05 serves two trained drafts (one with EAGLE-3.1's norms) in fp32 on MT-Bench-format
+prompts, vLLM's output is the same with and without speculation at temperature 0 and equals 05's
+own, and its acceptance length equals 05's within 1%. On the Kimi-style miniature with bf16 experts (MLA, DeepSeek-V3 MoE,
 nested multimodal config): 02's vLLM states lie within HF's own bf16 spread, and 00 through the
 worker and through `vllm serve` regenerates the HF engine's turns. Bad input (no or an old vLLM, a
 layer id out of range, a draft vLLM refuses, INT4 experts on a CPU) ends with one line, and 05's
@@ -52,15 +52,19 @@ MT_BENCH = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku 
 @pytest.fixture(scope="module")
 def flat_run(tmp_path_factory, flat_target, demo_conversations, vllm_python) -> Path:
     """01 -> 04 on the flat miniature with the HF engine: prepared data, HF states, a draft
-    trained 10 epochs (RUN/draft) and one trained 1 epoch (RUN/weak/draft)."""
+    trained 10 epochs (RUN/draft) and one with EAGLE-3.1's norms trained 3 epochs (RUN/eagle31/draft)."""
     run = tmp_path_factory.mktemp("vllm_run")
     common = ["--run-dir", run, "--target", flat_target]
     run_in_process("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "12", check=True)
     run_in_process("02_extract_hidden_states.py", *common, check=True)
     run_in_process("03_build_vocab_map.py", *common, "--draft-vocab-size", "1024", check=True)
-    train = [*common, "--draft-config", "configs/draft_tiny.json", "--lr", "0.01"]
-    run_in_process("04_train.py", *train, "--epochs", "10", check=True)
-    run_in_process("04_train.py", *train, "--epochs", "1", "--output", run / "weak", check=True)
+    run_in_process("04_train.py", *common, "--draft-config", "configs/draft_tiny.json", "--lr", "0.01", "--epochs", "10",
+                   check=True)
+    eagle31 = json.loads((REPO_ROOT / "configs" / "draft_tiny.json").read_text())
+    eagle31["model"].update(norm_before_fc=True, norm_output=True)
+    (run / "draft_eagle31.json").write_text(json.dumps(eagle31))
+    run_in_process("04_train.py", *common, "--draft-config", run / "draft_eagle31.json", "--lr", "0.01", "--epochs", "3",
+                   "--output", run / "eagle31", check=True)
     return run
 
 
@@ -112,20 +116,23 @@ def test_vllm_states_equal_hf_states(flat_run, flat_target):
 
 
 @pytest.mark.slow
-def test_served_acceptance_equals_05s_own(flat_run, flat_target, tmp_path):
+def test_served_acceptance_equals_05s_own(flat_run, flat_target, demo_conversations, tmp_path):
     """In fp32 (05's own decoder and vLLM) on MT-Bench-format prompts (two turns, the second after
     the target's first answer): vLLM's output with each draft equals plain vLLM greedy and 05's
-    own output token for token, and its acceptance length equals 05's within 1%."""
+    own output token for token, and its acceptance length equals 05's within 1%, also for the
+    draft with EAGLE-3.1's norms (vLLM's own implementation of them against 04's and 05's). The
+    drafts' own training conversations are a second prompt set: there they are accepted at every
+    position, so the states handed from step to step (normed with `norm_output`) are compared too."""
     questions = tmp_path / "question.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in MT_BENCH))
     report = tmp_path / "eval.json"
     proc = run_script("05_evaluate.py", "--run-dir", flat_run, "--target", flat_target, "--reference",
-                      flat_run / "weak" / "draft", "--engine", "vllm", "--dtype", "fp32", "--prompts", questions,
-                      "--max-new-tokens", "32", "--num-speculative-tokens", str(K), "--no-baselines",
-                      "--json", report, env=ENV, timeout=1800)  # three engine starts: ~10 min on shared cores
+                      flat_run / "eagle31" / "draft", "--engine", "vllm", "--dtype", "fp32", "--prompts", questions,
+                      "--prompts", demo_conversations, "--max-new-tokens", "32", "--num-speculative-tokens", str(K),
+                      "--no-baselines", "--json", report, env=ENV, timeout=1800)  # three engine starts: ~10 min on shared cores
     assert "draft (vLLM)" in proc.stdout and "reference (vLLM)" in proc.stdout
     data = json.loads(report.read_text())
-    assert data["engine"] == "vllm" and data["dtype"] == "float32" and data["prompts"] == 2 * len(MT_BENCH)
+    assert data["engine"] == "vllm" and data["dtype"] == "float32" and data["prompts"] >= 2 * len(MT_BENCH) + 10
     for draft in data["drafts"]:
         served = draft["vllm"]
         assert served["num_drafts"] > 0 and len(served["acceptance_rate_per_position"]) == K
@@ -135,6 +142,8 @@ def test_served_acceptance_equals_05s_own(flat_run, flat_target, tmp_path):
         assert served["measured_acceptance_length"] == pytest.approx(
             1 + served["num_accepted_tokens"] / served["num_drafts"])
         assert served["measured_acceptance_length"] == pytest.approx(draft["measured_acceptance_length"], rel=0.01)
+        assert served["acceptance_rate_per_position"] == pytest.approx(draft["acceptance_rate_per_position"], abs=0.01)
+        assert draft["acceptance_rate_per_position"][K - 1] > 0.1, draft["name"]  # proposals K steps deep accepted
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -308,32 +309,39 @@ OVERLAP_FLOOR = 1e-5  # -log of the overlap is taken at no less than this (upstr
 _loss = "kl"  # set by `apply(loss=...)`
 
 
-class VerifierTargets:
+class VerifierTargets(NamedTuple):
     """What every TTT step of one batch reads from the verifier's logits [1, T, V]: their softmax,
     the per-token sum of p log p (the KL divergence's entropy term), the argmax, and (for the
     losses that need it) their log-softmax."""
 
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits = weakref.ref(logits)
-        self.p = torch.softmax(logits, dim=-1)
-        self.p_log_p = torch.special.xlogy(self.p, self.p).sum(-1)  # [1, T]; 0 where p underflows to 0
-        self.ids = torch.argmax(logits, dim=-1)
-        self.log_p = torch.log_softmax(logits, dim=-1) if _loss in ("jsd", "rkl") else None
+    p: torch.Tensor
+    p_log_p: torch.Tensor
+    ids: torch.Tensor
+    log_p: torch.Tensor | None
 
 
-_targets: VerifierTargets | None = None  # the batch's; the forward passes the same logits tensor to every step
+def verifier_targets(logits: torch.Tensor) -> VerifierTargets:
+    p = torch.softmax(logits, dim=-1)
+    return VerifierTargets(p=p, p_log_p=torch.special.xlogy(p, p).sum(-1),  # [1, T]; 0 where p underflows to 0
+                           ids=torch.argmax(logits, dim=-1),
+                           log_p=torch.log_softmax(logits, dim=-1) if _loss in ("jsd", "rkl") else None)
+
+
+# The batch's, with a weak reference to the logits they come from: the forward passes the same
+# logits tensor to every TTT step.
+_targets: tuple[weakref.ref, VerifierTargets] | None = None
 
 
 def targets_of(logits: torch.Tensor) -> VerifierTargets:
     """The batch's `VerifierTargets`, made at its first TTT step. A compiled forward makes them
-    at every step (the compiler fuses that work itself; it cannot trace the cache)."""
+    at every step (the compiler fuses that work itself, and a cache is not traceable)."""
     global _targets
     if torch.compiler.is_compiling():
-        return VerifierTargets(logits)
-    if _targets is None or _targets.logits() is not logits:
+        return verifier_targets(logits)
+    if _targets is None or _targets[0]() is not logits:
         _targets = None  # the last batch's are freed before the new ones are made
-        _targets = VerifierTargets(logits)
-    return _targets
+        _targets = (weakref.ref(logits), verifier_targets(logits))
+    return _targets[1]
 
 
 def masked_mean(per_token: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:

@@ -5,8 +5,8 @@ One round, as vLLM runs an EAGLE-3 draft with `num_speculative_tokens = k`:
 1. The draft proposes a chain of k tokens. Its input at a verified position p is
    `concat(embed(x_p), fc(aux_{p-1}))`, where `aux_{p-1}` are the target's three auxiliary
    states at position p-1 (vLLM layer ids: id i = output of decoder layer i-1). Proposal
-   steps 2..k feed the draft's own previous output (the pre-norm hidden state) in place of
-   `fc(aux)`, one position further each step. Draft ids map to target ids with `d2t`.
+   steps 2..k feed the draft's own previous output (the pre-norm hidden state; with EAGLE-3.1's
+   `norm_output`, the normed one) in place of `fc(aux)`, one position further each step. Draft ids map to target ids with `d2t`.
 2. The target runs once over `[last token, d_1 .. d_k]` with its KV cache. Proposals are
    accepted while each equals the target's greedy choice; the target's own choice after the
    accepted prefix is emitted too (the bonus token), so a round emits 1..k+1 tokens.
@@ -183,7 +183,7 @@ class DraftProposer:
     def reset(self) -> None:
         self.cache = DynamicCache()
         self.context_len = 0  # cache entries holding verified positions 1..context_len
-        self.last_hidden: torch.Tensor | None = None  # pre-norm output at the last verified position
+        self.last_hidden: torch.Tensor | None = None  # state handed on from the last verified position
         self.last_logits: torch.Tensor | None = None  # draft-vocabulary logits predicted after it
 
     def start(self, prompt: list[int]) -> None:
@@ -229,8 +229,9 @@ class DraftProposer:
         return out
 
     def _step(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the draft's layers over L new positions; return (pre-norm state [1, 1, H] at the
-        last one, the draft-vocabulary logits predicted there)."""
+        """Run the draft's layers over L new positions; return (the state handed to the next step
+        [1, 1, H] at the last one: pre-norm, or normed with EAGLE-3.1's `norm_output`, whose hooks
+        see to it, common/draft/eagle31.py; the draft-vocabulary logits predicted there)."""
         draft, length = self.draft, token_ids.shape[0]
         past = self.cache.get_seq_length()
         x = torch.cat([draft.embed_tokens(token_ids).unsqueeze(0).to(self.dtype), hidden], dim=-1)

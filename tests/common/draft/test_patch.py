@@ -1,14 +1,17 @@
 """common/draft/patch.py against the unpatched speculators 0.3.0: the Kimi-K2.5 embeddings/lm_head
-setup, the CPU attention fallback, the device-agnostic checkpointer, the eager forward and the loss
-over the verifier's softmax computed once per batch."""
+setup, the CPU attention fallback, the device-agnostic checkpointer, the eager forward, the loss
+over the verifier's softmax computed once per batch, and the other divergences against their
+definitions."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.distributions import Categorical, kl_divergence
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.models.eagle3 import core as eagle3_core
 from speculators.models.eagle3.attention import ALL_ATTENTION_FUNCTIONS, flex_attention_forward
@@ -290,3 +293,86 @@ def test_loss_once_per_batch_equals_the_library_s_on_extreme_logits():
         our_grad, = torch.autograd.grad(ours[0], logits)
         their_grad, = torch.autograd.grad(theirs[0], logits)
         assert torch.equal(our_grad, their_grad)
+
+
+def reference_divergence(name: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per token, from the definitions written another way: TV as half the L1 distance, KL and
+    reverse KL by torch.distributions, JSD as H(m) - (H(p) + H(q)) / 2."""
+    p, q = Categorical(logits=targets), Categorical(logits=logits)
+    tv = 0.5 * (p.probs - q.probs).abs().sum(-1)
+    if name == "kl":
+        return kl_divergence(p, q)
+    if name == "rkl":
+        return kl_divergence(q, p)
+    if name == "tv":
+        return tv
+    if name == "lk":
+        return -torch.log(1 - tv)
+    if name == "lk-hybrid":
+        weight = torch.exp(-3.0 * (1 - tv)).detach()
+        return weight * kl_divergence(p, q) + (1 - weight) * tv
+    m = Categorical(probs=(p.probs + q.probs) / 2)
+    return m.entropy() - (p.entropy() + q.entropy()) / 2
+
+
+@pytest.mark.parametrize("loss", patch.LOSSES)
+def test_each_loss_is_its_definition_masked_decayed_and_differentiated(loss):
+    """Value and gradient of every TTT step's loss: the masked mean over tokens of the divergence,
+    times decay**step, with the targets shifted as the library aligns them."""
+    patch.apply(trust_remote_code=True, compile_forward=False, loss=loss)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, 30, 40, generator=g).mul(2).requires_grad_()
+    targets = torch.randn(1, 30, 40, generator=g) * 3
+    mask = (torch.rand(1, 30, generator=g) > 0.3).long()
+    for step in range(3):
+        ours, metrics = patch.compute_metrics(logits, targets, mask, torch.ones(1, 30, dtype=torch.bool), step, 0.8)
+        s_logits = logits[:, :30 - step]
+        per_token = reference_divergence(loss, s_logits, targets[:, step:])
+        s_mask = mask[:, step:]
+        reference = 0.8**step * (per_token * s_mask).sum() / (s_mask.sum() + 1e-5)
+        assert ours.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-7)
+        assert metrics[f"loss_{step}"].item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-7)
+        our_grad, = torch.autograd.grad(ours, logits)
+        their_grad, = torch.autograd.grad(reference, logits)
+        assert torch.allclose(our_grad, their_grad, rtol=1e-4, atol=1e-7), loss
+
+
+def test_losses_aimed_at_acceptance_order_drafts_by_acceptance():
+    """TV is 1 - the acceptance probability sum_v min(p_v, q_v), LK its -log: a draft closer to
+    the target in acceptance scores lower on both, and a perfect draft scores 0."""
+    targets = torch.log(torch.tensor([[[0.6, 0.3, 0.1]]]))
+    close, far = torch.log(torch.tensor([[[0.5, 0.4, 0.1]]])), torch.log(torch.tensor([[[0.1, 0.3, 0.6]]]))
+    for loss, expected_far in (("tv", 0.5), ("lk", -math.log(0.5))):
+        patch.apply(trust_remote_code=True, compile_forward=False, loss=loss)
+        value = {name: patch.compute_metrics(draft, targets, None, None, 0, 1.0)[0].item()
+                 for name, draft in (("same", targets), ("close", close), ("far", far))}
+        assert value["same"] == pytest.approx(0.0, abs=1e-6)
+        assert value["close"] == pytest.approx(0.1 if loss == "tv" else -math.log(0.9), rel=1e-5)
+        assert value["far"] == pytest.approx(expected_far, rel=1e-5)
+
+
+def test_an_unknown_loss_is_refused_and_compiled_kl_keeps_the_library_s():
+    with pytest.raises(ValueError, match="loss 'ce': expected one of kl, tv, lk, lk-hybrid, jsd, rkl"):
+        patch.apply(loss="ce")
+    patch.apply(compile_forward=True, loss="tv")  # compiled with another loss: ours, which the compiler can trace
+    assert eagle3_core.compute_metrics is patch.compute_metrics
+    patch.apply(compile_forward=True)
+    assert eagle3_core.compute_metrics is patch.ORIGINAL_COMPUTE_METRICS
+
+
+@pytest.mark.parametrize("loss", patch.LOSSES)
+def test_every_loss_compiles_in_one_graph(loss):
+    """On GPUs the forward is compiled: every loss traces without a graph break (the per-batch cache
+    is skipped under the compiler) and gives the eager value and gradient. aot_eager: dynamo and
+    autograd's tracing without inductor's code generation, which a CPU test need not pay for."""
+    patch.apply(compile_forward=True, loss=loss)
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 20, 30, generator=g, requires_grad=True)
+    targets, mask = torch.randn(1, 20, 30, generator=g), torch.ones(1, 20, dtype=torch.long)
+    compiled = torch.compile(patch.compute_metrics, backend="aot_eager", fullgraph=True)
+    ours, _ = compiled(logits, targets, mask, torch.ones(1, 20, dtype=torch.bool), 1, 0.8)
+    our_grad, = torch.autograd.grad(ours, logits)
+    eager, _ = patch.compute_metrics(logits, targets, mask, torch.ones(1, 20, dtype=torch.bool), 1, 0.8)
+    eager_grad, = torch.autograd.grad(eager, logits)
+    assert ours.item() == pytest.approx(eager.item(), rel=1e-6)
+    assert torch.allclose(our_grad, eager_grad, rtol=1e-5, atol=1e-8)

@@ -21,3 +21,12 @@ def test_summary_reads_the_trainers_metric_names():
                                                                                         [0.5, 0.4])
     assert summary.acceptance_length == pytest.approx(1 + 0.5 + 0.2)
     assert summary.lines()[0] == "validation after epoch 3: loss 3.0000"
+
+
+def test_summary_at_a_served_k_below_the_steps_validated():
+    metrics = {"loss": 3.0, **{f"{m}_{k}": 0.5 for m in ("loss", "full_acc", "cond_acc") for k in range(4)}}
+    summary = ValSummary.from_metrics(metrics, epoch=0, k=2)
+    assert (summary.k, len(summary.cond_acc)) == (2, 4)
+    assert summary.acceptance_length == pytest.approx(1 + 0.5 + 0.25)
+    assert "simulated acceptance length at k = 2: 1.750" in summary.lines()[-1]
+    assert ValSummary.from_metrics(metrics, epoch=0).k == 4

@@ -18,3 +18,18 @@ def test_best_validation_picks_the_highest_simulated_acceptance_length():
     assert best_validation(records, [0, 1, 2]).acceptance_length == pytest.approx(1 + 0.6 + 0.36)
     assert best_validation([{"epoch": 0, "train": {}}], [0]) is None
 
+
+
+def test_best_validation_at_the_served_k():
+    """With more TTT steps validated than served, the epoch is chosen by the simulated acceptance
+    length over the first k steps: here epoch 0 is better at k = 1, epoch 1 at k = 3."""
+    def record(epoch: int, accs: list[float]) -> dict:
+        return {"epoch": epoch, "val": {"loss_epoch": 1.0, **{f"{m}_{k}_epoch": a for m in ("full_acc", "cond_acc",
+                                                                                        "loss")
+                                                             for k, a in enumerate(accs)}}}
+
+    records = [record(0, [0.8, 0.1, 0.1]), record(1, [0.7, 0.9, 0.9])]
+    assert best_validation(records, [0, 1], k=1).epoch == 0
+    assert best_validation(records, [0, 1], k=1).acceptance_length == pytest.approx(1.8)
+    assert best_validation(records, [0, 1], k=3).epoch == best_validation(records, [0, 1]).epoch == 1
+    assert best_validation(records, [0, 1], k=3).k == 3

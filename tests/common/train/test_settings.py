@@ -44,6 +44,8 @@ def test_kimi_config_has_the_published_shape():
     ({"ttt_inputs": "target"}, "--ttt-inputs target: must be one of dataset, draft"),
     ({"init": "xavier"}, "--init xavier: must be one of normal, torch"),
     ({"muon_lr": 0}, "--muon-lr 0: must be positive"),
+    ({"loss": "ce"}, "--loss ce: must be one of kl, tv, lk, lk-hybrid, jsd, rkl"),
+    ({"select_k": 0}, "--select-k 0: must be at least 1"),
     ({"freeze_draft_lm_head": 1}, "freeze_draft_lm_head = 1 is not of type <class 'bool'>"),
 ])
 def test_bad_training_values_are_refused(tmp_path, training, message):
@@ -101,3 +103,14 @@ def test_training_forward_is_teacher_forced_unless_asked():
     assert TrainSettings().train_call_kwargs()["use_off_policy_tokens"] is True
     assert TrainSettings(ttt_inputs="draft").train_call_kwargs()["use_off_policy_tokens"] is False
     assert "use_off_policy_tokens" not in TrainSettings().call_kwargs()
+
+
+def test_more_ttt_steps_than_the_served_k_train_and_validate_them_all():
+    """Training and validation run every TTT step trained; validation at least the served k's
+    (its simulated acceptance length at k needs k steps); the served k defaults to --ttt-steps."""
+    deeper = TrainSettings(ttt_steps=7, ttt_step_loss_decay=0.8, select_k=3)
+    assert deeper.served_k == 3
+    assert deeper.train_call_kwargs()["ttt_steps"] == deeper.call_kwargs()["ttt_steps"] == 7
+    shallower = TrainSettings(ttt_steps=3, select_k=5)
+    assert (shallower.train_call_kwargs()["ttt_steps"], shallower.call_kwargs()["ttt_steps"]) == (3, 5)
+    assert TrainSettings(ttt_steps=4).served_k == 4
