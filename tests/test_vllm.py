@@ -119,10 +119,12 @@ def test_vllm_states_equal_hf_states(flat_run, flat_target):
 def test_served_acceptance_equals_05s_own(flat_run, flat_target, demo_conversations, tmp_path):
     """In fp32 (05's own decoder and vLLM) on MT-Bench-format prompts (two turns, the second after
     the target's first answer): vLLM's output with each draft equals plain vLLM greedy and 05's
-    own output token for token, and its acceptance length equals 05's within 1%, also for the
-    draft with EAGLE-3.1's norms (vLLM's own implementation of them against 04's and 05's). The
-    drafts' own training conversations are a second prompt set: there they are accepted at every
-    position, so the states handed from step to step (normed with `norm_output`) are compared too."""
+    own output token for token, its acceptance length equals 05's within 1% and its acceptance
+    rate at each draft position equals 05's, also for the draft with EAGLE-3.1's norms (vLLM loads
+    its `input_norm` and flags and serves it as 04 and 05 compute it). The demo conversations are a
+    second prompt set, for more acceptances beyond the first position. (These weakly trained norms
+    are near 1, where `norm_output` changes few proposals: drafts upstream trained with them are
+    served by both in bench/bench_04_recipe.py.)"""
     questions = tmp_path / "question.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in MT_BENCH))
     report = tmp_path / "eval.json"
@@ -142,8 +144,9 @@ def test_served_acceptance_equals_05s_own(flat_run, flat_target, demo_conversati
         assert served["measured_acceptance_length"] == pytest.approx(
             1 + served["num_accepted_tokens"] / served["num_drafts"])
         assert served["measured_acceptance_length"] == pytest.approx(draft["measured_acceptance_length"], rel=0.01)
-        assert served["acceptance_rate_per_position"] == pytest.approx(draft["acceptance_rate_per_position"], abs=0.01)
-        assert draft["acceptance_rate_per_position"][K - 1] > 0.1, draft["name"]  # proposals K steps deep accepted
+        # the same tokens accepted at every depth (fp32: no near-ties), some of them beyond the first
+        assert served["acceptance_rate_per_position"] == pytest.approx(draft["acceptance_rate_per_position"], abs=1e-6)
+        assert draft["acceptance_rate_per_position"][1] > 0, draft["name"]
 
 
 @pytest.mark.slow

@@ -114,3 +114,9 @@ def test_more_ttt_steps_than_the_served_k_train_and_validate_them_all():
     shallower = TrainSettings(ttt_steps=3, select_k=5)
     assert (shallower.train_call_kwargs()["ttt_steps"], shallower.call_kwargs()["ttt_steps"]) == (3, 5)
     assert TrainSettings(ttt_steps=4).served_k == 4
+
+
+def test_kimi_config_trains_the_500k_runs_epochs():
+    """A Kimi-K2.5 run without a preset trains what the 500K preset does: more epochs hurt there."""
+    full = json.loads((REPO_ROOT / "configs" / "presets" / "full_500k.json").read_text())["training"]
+    assert read_config_file(KIMI_CONFIG).training["epochs"] == full["epochs"] == 3
