@@ -97,6 +97,8 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "loss-jsd": ("defaults, JSD loss", ("--loss", "jsd")),
     "loss-rkl": ("defaults, reverse KL loss", ("--loss", "rkl")),
     "ttt7": ("defaults, 7 TTT steps, decay 0.8", ("--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--select-k", "3")),
+    "ttt7-nodecay": ("defaults, 7 TTT steps", ("--ttt-steps", "7", "--select-k", "3")),
+    "ttt5": ("defaults, 5 TTT steps", ("--ttt-steps", "5", "--select-k", "3")),
     "eagle31": ("defaults, EAGLE-3.1 norms", ()),
     "eagle31-lk-ttt7": ("defaults, EAGLE-3.1 norms, LK, 7 TTT steps",
                         ("--loss", "lk", "--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--select-k", "3")),
