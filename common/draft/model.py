@@ -11,8 +11,9 @@ theta 10000, while Kimi-K2.5 uses yarn with theta 50000.
 The exported folder is speculators' format as vLLM reads it: `config.json`
 (`speculators_model_type: eagle3`, `draft_vocab_size`, `eagle_aux_hidden_state_layer_ids`,
 `transformer_layer_config` with the target's rope settings, a `verifier` block with the
-target's path and architecture, and EAGLE-3.1's `norm_before_fc` / `norm_output`) and `model.safetensors` in bf16 with `d2t`/`t2d` and without
-`verifier_lm_head` (a frozen copy of the target's lm_head rows, used only to make training
+target's path and architecture, and EAGLE-3.1's `norm_before_fc` / `norm_output`) and
+`model.safetensors` in bf16 with `d2t`/`t2d` (and `input_norm.weight` with `norm_before_fc`) and
+without `verifier_lm_head` (a frozen copy of the target's lm_head rows, used only to make training
 targets). speculators 0.3.0's `Eagle3DraftModel.from_pretrained` fails on such a folder
 (`unexpected keyword argument 'verifier'`), so `load_draft` builds the model itself.
 """
