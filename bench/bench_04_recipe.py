@@ -90,6 +90,8 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
     "defaults-no-noise": ("defaults, noise off (as upstream)", ("--noise-std", "0")),
     "defaults-muon-wd": ("defaults, Muon weight decay 0.1 (upstream's)", ("--muon-weight-decay", "0.1")),
+    "defaults-as-upstream": ("defaults, noise off, Muon weight decay 0.1", ("--noise-std", "0", "--muon-weight-decay",
+                                                                           "0.1")),
     # issue 33: the 2026 choices, each alone on the defaults, then together
     "loss-tv": ("defaults, TV loss", ("--loss", "tv")),
     "loss-lk": ("defaults, LK loss (-log acceptance)", ("--loss", "lk")),
