@@ -38,12 +38,12 @@ the same way: `upstream-muon` (its defaults but 04's architecture: Muon, draft l
 Variants of 04, issue 20's: `before` is 04 before issue 20 (AdamW, TTT steps fed the draft's own
 guesses, PyTorch's initialisation, draft lm_head trained, lr 6e-3); each `+ ...` row changes one thing
 from it (`+ lr 1.8e-2`: the config's rate now); `defaults` is 04 with no recipe flag; `defaults, frozen
-lm_head` and `defaults, noise off` and `defaults, Muon weight decay 0.1` change it as upstream does (its
-head frozen; no noise augmentation; its Muon weight decay). Issue 33's, each on the defaults: `loss-*`
-(`--loss`), `ttt7` (7 TTT steps with loss decay 0.8, as the EAGLE-3 reference trains, the epoch chosen
-at k = 3), `eagle31` (the draft config's `norm_before_fc` and `norm_output`), and `eagle31-lk-ttt7`
-(the three together). `--control` adds the defaults with a 2% lower training noise, a nudge that
-should not matter: how far it moves the figures is a lower bound of the noise (another initialisation
+lm_head` and `defaults, noise off` change it as upstream does (its head frozen; no noise augmentation),
+`muon-wd-0.01` back to the Muon weight decay before issue 33 (upstream's 0.1 now). Issue 33's, each
+on the defaults: `loss-*` (`--loss`), `ttt5`, `ttt7-nodecay` and `ttt7` (5 or 7 TTT steps, the last with
+loss decay 0.8 as the EAGLE-3 reference trains; the epoch chosen at k = 3), `eagle31` (the draft
+config's `norm_before_fc` and `norm_output`), and `eagle31-lk-ttt7` (the three together). `--control`
+adds the defaults with a 2% lower training noise, a nudge that should not matter: how far it moves the figures is a lower bound of the noise (another initialisation
 and packing order moves them more: README, 04's training recipe).
 """
 
@@ -89,16 +89,15 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "lr": ("+ lr 1.8e-2", changed("--lr", "0.018")),
     "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
     "defaults-no-noise": ("defaults, noise off (as upstream)", ("--noise-std", "0")),
-    "defaults-muon-wd": ("defaults, Muon weight decay 0.1 (upstream's)", ("--muon-weight-decay", "0.1")),
-    "defaults-as-upstream": ("defaults, noise off, Muon weight decay 0.1", ("--noise-std", "0", "--muon-weight-decay",
-                                                                           "0.1")),
+    "muon-wd-0.01": ("defaults, Muon weight decay 0.01 (before issue 33)", ("--muon-weight-decay", "0.01")),
     # issue 33: the 2026 choices, each alone on the defaults, then together
     "loss-tv": ("defaults, TV loss", ("--loss", "tv")),
     "loss-lk": ("defaults, LK loss (-log acceptance)", ("--loss", "lk")),
     "loss-lk-hybrid": ("defaults, LK hybrid loss", ("--loss", "lk-hybrid")),
     "loss-jsd": ("defaults, JSD loss", ("--loss", "jsd")),
     "loss-rkl": ("defaults, reverse KL loss", ("--loss", "rkl")),
-    "ttt7": ("defaults, 7 TTT steps, decay 0.8", ("--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--select-k", "3")),
+    "ttt7": ("defaults, 7 TTT steps, decay 0.8",
+             ("--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--select-k", "3")),
     "ttt7-nodecay": ("defaults, 7 TTT steps", ("--ttt-steps", "7", "--select-k", "3")),
     "ttt5": ("defaults, 5 TTT steps", ("--ttt-steps", "5", "--select-k", "3")),
     "eagle31": ("defaults, EAGLE-3.1 norms", ()),

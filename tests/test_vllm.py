@@ -58,13 +58,13 @@ def flat_run(tmp_path_factory, flat_target, demo_conversations, vllm_python) -> 
     run_in_process("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "12", check=True)
     run_in_process("02_extract_hidden_states.py", *common, check=True)
     run_in_process("03_build_vocab_map.py", *common, "--draft-vocab-size", "1024", check=True)
-    run_in_process("04_train.py", *common, "--draft-config", "configs/draft_tiny.json", "--lr", "0.01", "--epochs", "10",
-                   check=True)
+    run_in_process("04_train.py", *common, "--draft-config", "configs/draft_tiny.json", "--lr", "0.01",
+                   "--epochs", "10", check=True)
     eagle31 = json.loads((REPO_ROOT / "configs" / "draft_tiny.json").read_text())
     eagle31["model"].update(norm_before_fc=True, norm_output=True)
     (run / "draft_eagle31.json").write_text(json.dumps(eagle31))
-    run_in_process("04_train.py", *common, "--draft-config", run / "draft_eagle31.json", "--lr", "0.01", "--epochs", "3",
-                   "--output", run / "eagle31", check=True)
+    run_in_process("04_train.py", *common, "--draft-config", run / "draft_eagle31.json", "--lr", "0.01",
+                   "--epochs", "3", "--output", run / "eagle31", check=True)
     return run
 
 
@@ -131,7 +131,8 @@ def test_served_acceptance_equals_05s_own(flat_run, flat_target, demo_conversati
     proc = run_script("05_evaluate.py", "--run-dir", flat_run, "--target", flat_target, "--reference",
                       flat_run / "eagle31" / "draft", "--engine", "vllm", "--dtype", "fp32", "--prompts", questions,
                       "--prompts", demo_conversations, "--max-new-tokens", "32", "--num-speculative-tokens", str(K),
-                      "--no-baselines", "--json", report, env=ENV, timeout=1800)  # three engine starts: ~10 min on shared cores
+                      "--no-baselines", "--json", report, env=ENV,
+                      timeout=1800)  # three engine starts: ~10 min on shared cores
     assert "draft (vLLM)" in proc.stdout and "reference (vLLM)" in proc.stdout
     data = json.loads(report.read_text())
     assert data["engine"] == "vllm" and data["dtype"] == "float32" and data["prompts"] >= 2 * len(MT_BENCH) + 10

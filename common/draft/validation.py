@@ -48,7 +48,8 @@ class ValSummary:
         cond = per_step(metrics, "cond_acc")
         k = len(cond) if k is None else min(k, len(cond))
         return cls(epoch=epoch, loss=metrics["loss"], full_acc=per_step(metrics, "full_acc"), cond_acc=cond,
-                   loss_per_step=per_step(metrics, "loss"), acceptance_length=simulated_acceptance_length(cond[:k]), k=k)
+                   loss_per_step=per_step(metrics, "loss"), acceptance_length=simulated_acceptance_length(cond[:k]),
+                   k=k)
 
     def lines(self) -> list[str]:
         rows = [f"validation after epoch {self.epoch + 1}: loss {self.loss:.4f}",

@@ -24,7 +24,7 @@ from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_wi
 
 from common.train.settings import TrainSettings
 
-WEIGHT_DECAY = 0.01  # AdamW's default in torch, the library's; Muon's by default (`--muon-weight-decay`)
+WEIGHT_DECAY = 0.01  # AdamW's default in torch, the library's (Muon's is `--muon-weight-decay`, 0.1 by default)
 MUON_MODULES = ("layers.", "fc.")  # the draft's own matrices; embed_tokens and the lm_heads come from the target
 
 
@@ -40,7 +40,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_params: list[tuple[str, torch.nn.Parameter]],
                  adamw_params: list[tuple[str, torch.nn.Parameter]], lr: float, muon_lr: float,
-                 muon_weight_decay: float = WEIGHT_DECAY) -> None:
+                 muon_weight_decay: float) -> None:
         self.muon = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=muon_weight_decay,
                                      adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(adamw_params, lr=lr, weight_decay=WEIGHT_DECAY)

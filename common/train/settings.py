@@ -53,8 +53,8 @@ class TrainSettings:
                                       "on norms and lm_head, as upstream speculators) or 'adamw' (AdamW on all)")
     muon_lr: float | None = _setting(None, "peak learning rate of the Muon matrices (default: --lr; Muon's step is "
                                            "scaled to AdamW's RMS, so one rate fits both)")
-    muon_weight_decay: float = _setting(0.01, "decoupled weight decay of the Muon matrices (upstream speculators: 0.1; "
-                                              "AdamW's stays the library's 0.01)")
+    muon_weight_decay: float = _setting(0.1, "decoupled weight decay of the Muon matrices (upstream speculators' 0.1; "
+                                             "AdamW's stays the library's 0.01)")
     freeze_draft_lm_head: bool = _setting(False, "keep the draft's lm_head at the target's (masked) lm_head, "
                                                  "as upstream speculators does")
     init: str = _setting("normal", "initial weights of the draft layers and fc: 'normal' (N(0, 0.02), transformers' "

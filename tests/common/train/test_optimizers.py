@@ -41,11 +41,11 @@ def test_muon_takes_the_draft_layers_matrices_and_adamw_the_rest(tiny_draft):
 
 
 def test_muon_weight_decay_is_its_own_setting(tiny_draft):
-    """`--muon-weight-decay` sets the Muon matrices' decay (upstream's 0.1, say); AdamW's stays 0.01."""
-    muon, adamw = build_optimizer(tiny_draft, TrainSettings(muon_weight_decay=0.1)).param_groups
-    assert (muon["weight_decay"], adamw["weight_decay"]) == (0.1, 0.01)
+    """`--muon-weight-decay` sets the Muon matrices' decay (by default upstream's 0.1); AdamW's stays 0.01."""
+    muon, adamw = build_optimizer(tiny_draft, TrainSettings(muon_weight_decay=0.03)).param_groups
+    assert (muon["weight_decay"], adamw["weight_decay"]) == (0.03, 0.01)
     muon, adamw = build_optimizer(tiny_draft, TrainSettings()).param_groups
-    assert (muon["weight_decay"], adamw["weight_decay"]) == (0.01, 0.01)
+    assert (muon["weight_decay"], adamw["weight_decay"]) == (0.1, 0.01)
 
 
 def test_frozen_lm_head_is_in_no_group(tiny_draft):
