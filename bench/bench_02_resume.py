@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,9 +25,7 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from common.hidden_states.files import (  # noqa: E402
+from common.hidden_states.files import (
     Journal,
     file_digest,
     find_done,

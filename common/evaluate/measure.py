@@ -25,6 +25,7 @@ from tqdm import tqdm
 from common.atomic import read_json
 from common.data.fingerprints import prepared_fingerprint
 from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
+from common.draft.validation import ValSummary, validation_metrics
 from common.errors import PipelineError
 from common.evaluate.decoding import (
     LOOP_RUN,
@@ -45,7 +46,6 @@ from common.hidden_states.files import sample_index
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
 from common.target.config import TargetInfo
 from common.target.model import decoder_parts
-from common.draft.validation import ValSummary, validation_metrics
 
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
