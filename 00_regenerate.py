@@ -29,7 +29,7 @@ from common.defaults import demo_inputs
 from common.errors import PipelineError
 from common.regenerate.engines import open_engine
 from common.regenerate.run import RegenerateOptions, regenerate, summary_lines
-from common.runtime import Runtime, add_runtime_args
+from common.engine_device import Runtime, add_runtime_args
 from common.target.config import TargetInfo, load_target_info
 from common.target.tokenizer import load_tokenizer
 

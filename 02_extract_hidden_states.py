@@ -63,7 +63,7 @@ from common.hidden_states.files import (
     write_manifest,
 )
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
-from common.runtime import Runtime, add_runtime_args
+from common.engine_device import Runtime, add_runtime_args
 from common.target.config import load_target_info, weight_map
 
 

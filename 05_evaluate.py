@@ -65,7 +65,7 @@ from common.evaluate.prompts import (
 from common.evaluate.report import DraftReport, output_lines, summary_table, write_report
 from common.evaluate.served import measure_with_vllm, served_lines
 from common.hidden_states.loader import load_hidden_states
-from common.runtime import Runtime, add_runtime_args
+from common.engine_device import Runtime, add_runtime_args
 from common.target.config import TargetInfo, load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer

@@ -171,7 +171,7 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
     loader = make_loader(data, files, HeldOutLoading(total_seq_len), world_size=1, rank=0, train=False,
                          pin_memory=False)
     summary = ValSummary.from_metrics(validation_metrics(draft, loader, device, {"ttt_steps": k}), epoch=0)
-    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/hidden_states/sample_files.py)
+    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/hidden_states/skip_damaged.py)
     return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step,
             "full_acc": summary.full_acc,
             "cond_acc": summary.cond_acc, "simulated_acceptance_length": summary.acceptance_length,

@@ -60,9 +60,9 @@ from common.hidden_states.files import (
     write_manifest,
 )
 from common.hidden_states.loader import HiddenStateData, LoaderSettings, ResumableBatchSampler
-from common.hidden_states.sample_files import CheckedSampleDataset, SkipTally
+from common.hidden_states.skip_damaged import CheckedSampleDataset, SkipTally
 from common.hidden_states.storage import StateStorage, StoredStates, get_storage, standardize_fn
-from common.runtime import Runtime
+from common.engine_device import Runtime
 from common.target.config import TargetInfo
 
 __all__ = ["DEFAULT_PREFETCH", "OnlineStates", "StateEngineError", "open_online_states", "prefetch_bytes"]
