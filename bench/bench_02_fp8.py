@@ -45,7 +45,7 @@ from common.data.prepared_dataset import load_prepared
 from common.defaults import REPO_ROOT
 from common.fixtures.targets import ensure_target
 from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
-from common.hidden_states.files import list_sample_files
+from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import FP32_CHECK, STORAGES
 from common.target.config import load_target_info
 from common.target.model import load_text_model

@@ -25,14 +25,8 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from common.hidden_states.files import (
-    Journal,
-    file_digest,
-    find_done,
-    ids_digest,
-    journal_path,
-    sample_path,
-)
+from common.hidden_states.journal import Journal, find_done, ids_digest, journal_path
+from common.hidden_states.state_files import file_digest, sample_path
 
 DEFAULT_SAMPLES = 100_000
 TOKENS, HIDDEN = 32, 8

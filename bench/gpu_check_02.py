@@ -26,7 +26,7 @@ from bench.bench_02_extract import run as run_bench
 from common.defaults import REPO_ROOT
 from common.fixtures.targets import ensure_target
 from common.hidden_states.capture import StateExtractor, verify_samples
-from common.hidden_states.files import list_sample_files
+from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import FP32_CHECK
 from common.target.config import load_target_info
 from common.target.model import load_text_model

@@ -42,8 +42,8 @@ from common.evaluate.decoding import (
 from common.evaluate.prompt_sets import PromptItem
 from common.evaluate.prompts import ChatPrompter, Prompt, ask_turns
 from common.hidden_states.capture import capture_layers
-from common.hidden_states.files import sample_index
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
+from common.hidden_states.state_files import sample_index
 from common.target.config import TargetInfo
 from common.target.model import decoder_parts
 

@@ -32,13 +32,14 @@ from torch.utils.data import DataLoader
 from common.atomic import read_json
 from common.draft.model import DraftShape
 from common.errors import PipelineError, first_line
-from common.hidden_states.files import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig, sample_index
+from common.hidden_states.data_config import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig
 from common.hidden_states.skip_damaged import (
     CheckedDataLoader,
     CheckedSampleDataset,
     SkipTally,
     checked_collate,
 )
+from common.hidden_states.state_files import sample_index
 from common.hidden_states.storage import StateStorage, get_storage, standardize_fn
 from common.target.config import TargetInfo
 
