@@ -19,8 +19,8 @@ from common.hidden_states.data_config import (
     DataConfig,
 )
 from common.hidden_states.state_files import (
-    sample_file_names,
     list_sample_files,
+    sample_file_names,
 )
 
 MANIFEST_RE = re.compile(r"extract_shard_(\d+)_of_(\d+)\.json")

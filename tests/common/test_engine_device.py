@@ -8,8 +8,8 @@ import argparse
 import pytest
 import torch
 
-from common.errors import PipelineError
 from common.engine_device import Runtime, add_runtime_args, default_device
+from common.errors import PipelineError
 from common.target.config import load_target_info
 from common.target.device_plan import DevicePlanError
 
