@@ -26,10 +26,10 @@ from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.defaults import demo_inputs
+from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
 from common.regenerate.engines import open_engine
 from common.regenerate.run import RegenerateOptions, regenerate, summary_lines
-from common.runtime import Runtime, add_runtime_args
 from common.target.config import TargetInfo, load_target_info
 from common.target.tokenizer import load_tokenizer
 

@@ -4,7 +4,7 @@ For every prepared row i it writes `data_{i}.pt` in speculators' v1 format: the 
 loss mask, three auxiliary layers (default [2, N//2, N-3], vLLM's layer-id convention) and the
 post-norm final state, in bf16 (default) or, with `--storage fp8`, in float8 e4m3 with one
 scale per token row (half the disk; common/hidden_states/storage.py), plus `sample_lengths.json` and
-`data_config.json` (see common/hidden_states/files.py). Only those four states are captured, with forward hooks on the base
+`data_config.json` (see common/hidden_states/data_config.py). Only those four states are captured, with forward hooks on the base
 model; samples of similar length run in batches under a padded-token budget.
 
 Usage:
@@ -35,6 +35,7 @@ from pathlib import Path
 from common.atomic import format_bytes
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
 from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
 from common.hidden_states.capture import (
     DEFAULT_BATCH_TOKENS,
@@ -46,24 +47,19 @@ from common.hidden_states.capture import (
     shard_batches,
     validate_layer_ids,
 )
+from common.hidden_states.data_config import NUM_STATES, new_data_config
 from common.hidden_states.engines import open_state_engine
-from common.hidden_states.files import (
-    NUM_STATES,
-    Journal,
-    check_disk,
+from common.hidden_states.folder_lock import check_disk, shard_lock
+from common.hidden_states.journal import Journal, find_done, journal_path
+from common.hidden_states.manifests import (
     check_output_folder,
-    find_done,
-    journal_path,
     manifest_path,
     merge_manifests,
-    new_data_config,
-    remove_own_temporaries,
     remove_stale_rows,
-    shard_lock,
     write_manifest,
 )
+from common.hidden_states.state_files import remove_own_temporaries
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
-from common.runtime import Runtime, add_runtime_args
 from common.target.config import load_target_info, weight_map
 
 

@@ -59,7 +59,7 @@ from common.hidden_states.loader import (
 )
 from common.hidden_states.online import DEFAULT_PREFETCH, StateEngineError, open_online_states
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
-from common.runtime import Runtime, add_runtime_args, default_device
+from common.engine_device import Runtime, add_runtime_args, default_device
 from common.target.config import TargetInfo, load_target_info
 from common.target.device_plan import parse_size
 from common.train.checkpoints import (
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         # 4. data: the library's split, dataset, noise, packing sampler and collate
         train_files, val_files = split_data(data, settings)
         pin = device.type == "cuda"
-        skips = data.skip_tally()  # damaged files skipped and counted, up to a share (hidden_states/sample_files.py)
+        skips = data.skip_tally()  # damaged files skipped and counted, up to a share (hidden_states/skip_damaged.py)
         train_loader = make_loader(data, train_files, settings, world_size, rank, train=True, pin_memory=pin, tally=skips)
         val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin, skips) if val_files else None
         tokens = epoch_tokens(data, train_files, settings.total_seq_len)

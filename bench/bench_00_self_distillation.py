@@ -25,10 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common.data.conversations import iter_records, resolve_inputs
 
-from common.data.conversations import iter_records, resolve_inputs  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEMO = sorted((ROOT / "data").glob("demo_*.jsonl"))
 

@@ -26,22 +26,18 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # the stage's bars would interleave with the table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from common.data.conversations import iter_records, resolve_inputs, to_conversation  # noqa: E402
-from common.data.loss_mask import ChatMasker  # noqa: E402
-from common.data.prepare import PrepareOptions, prepare  # noqa: E402
-from common.defaults import demo_inputs  # noqa: E402
-from common.fixtures.targets import ensure_targets  # noqa: E402
-from common.target.tokenizer import load_tokenizer  # noqa: E402
-
+from common.data.conversations import iter_records, resolve_inputs, to_conversation
+from common.data.loss_mask import ChatMasker
+from common.data.prepare import PrepareOptions, prepare
+from common.defaults import demo_inputs
+from common.fixtures.targets import ensure_targets
+from common.target.tokenizer import load_tokenizer
 
 GOAL = 0.3
 KINDS = ("kimi", "flat")

@@ -31,14 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target  # noqa: E402
-from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.target.model import load_text_model  # noqa: E402
+from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target
+from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
+from common.target.config import load_target_info
+from common.target.model import load_text_model
 
 
 def demo_samples(target: Path, count: int) -> list[list[int]]:

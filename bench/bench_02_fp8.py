@@ -39,18 +39,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+import torch
 
-import torch  # noqa: E402
-
-from common.data.prepared_dataset import load_prepared  # noqa: E402
-from common.defaults import REPO_ROOT  # noqa: E402
-from common.fixtures.targets import ensure_target  # noqa: E402
-from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
-from common.hidden_states.files import list_sample_files  # noqa: E402
-from common.hidden_states.storage import FP32_CHECK, STORAGES  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.target.model import load_text_model  # noqa: E402
+from common.data.prepared_dataset import load_prepared
+from common.defaults import REPO_ROOT
+from common.fixtures.targets import ensure_target
+from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
+from common.hidden_states.state_files import list_sample_files
+from common.hidden_states.storage import FP32_CHECK, STORAGES
+from common.target.config import load_target_info
+from common.target.model import load_text_model
 
 NAMES = ("bf16", "fp8")
 MAX_BYTES_RATIO = 0.53

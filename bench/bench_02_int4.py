@@ -31,16 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from common.defaults import FIXTURE_VERSION, TARGET_CACHE  # noqa: E402
-from common.fixtures.miniature_lm import LMSettings  # noqa: E402
-from common.fixtures.targets import write_kimi_target  # noqa: E402
-from common.target.config import load_target_info, weight_map  # noqa: E402
-from common.target.int4_experts import PACKED_PARAMS, PackedLinear  # noqa: E402
-from common.target.model import load_text_model  # noqa: E402
+from common.defaults import FIXTURE_VERSION, TARGET_CACHE
+from common.fixtures.miniature_lm import LMSettings
+from common.fixtures.targets import write_kimi_target
+from common.target.config import load_target_info, weight_map
+from common.target.int4_experts import PACKED_PARAMS, PackedLinear
+from common.target.model import load_text_model
 
 EXPERTS_DOMINATE = {"hidden_size": 128, "moe_intermediate_size": 512, "n_routed_experts": 256,
                     "num_experts_per_tok": 8}
@@ -100,8 +98,9 @@ def _tensor_bytes(tensors) -> int:
 
 def measure(target: Path, samples: int, batch_tokens: int) -> dict:
     """One variant, in this (fresh) process: load, extract, and account for time and memory."""
-    from bench_02_extract import demo_samples, run_ours
     from datasets import Dataset
+
+    from bench.bench_02_extract import demo_samples, run_ours
 
     info = load_target_info(target, trust_remote_code=True)
     sizes = disk_sizes(target, info.weight_prefix)  # from the shards' headers: nothing loaded yet

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,16 +25,8 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from common.hidden_states.files import (  # noqa: E402
-    Journal,
-    file_digest,
-    find_done,
-    ids_digest,
-    journal_path,
-    sample_path,
-)
+from common.hidden_states.journal import Journal, find_done, ids_digest, journal_path
+from common.hidden_states.state_files import file_digest, sample_path
 
 DEFAULT_SAMPLES = 100_000
 TOKENS, HIDDEN = 32, 8

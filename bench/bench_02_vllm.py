@@ -22,19 +22,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from datasets import Dataset
 
-import torch  # noqa: E402
-from bench_02_extract import demo_samples  # noqa: E402
-from datasets import Dataset  # noqa: E402
-
-from common.fixtures.targets import ensure_target  # noqa: E402
-from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches  # noqa: E402
-from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES  # noqa: E402
-from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of, worker_fetch  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.target.model import load_text_model  # noqa: E402
-from common.vllm.client import EngineSettings, VllmWorker, check_vllm_python  # noqa: E402
+from bench.bench_02_extract import demo_samples
+from common.fixtures.targets import ensure_target
+from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
+from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
+from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of, worker_fetch
+from common.target.config import load_target_info
+from common.target.model import load_text_model
+from common.vllm.client import EngineSettings, VllmWorker, check_vllm_python
 
 
 def extract(extractor, samples: list[list[int]], batch_tokens: int) -> float:

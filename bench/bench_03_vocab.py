@@ -21,11 +21,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from common.data.prepared_dataset import PrepareReport, load_prepared  # noqa: E402
-from common.fixtures.targets import KIMI_VOCAB_SIZE  # noqa: E402
-from common.vocab import count_supervised_tokens  # noqa: E402
+from common.data.prepared_dataset import PrepareReport, load_prepared
+from common.fixtures.targets import KIMI_VOCAB_SIZE
+from common.vocab import count_supervised_tokens
 
 DEFAULT_SAMPLES = 20_000
 MIN_LEN, MAX_LEN = 200, 1500

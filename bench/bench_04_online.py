@@ -31,11 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from common.defaults import REPO_ROOT  # noqa: E402
-from common.draft.model import TINY_CONFIG  # noqa: E402
-from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target  # noqa: E402
+from common.defaults import REPO_ROOT
+from common.draft.model import TINY_CONFIG
+from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "out" / "online04"
 ENV = {"OMP_NUM_THREADS": "1"}

@@ -56,13 +56,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from bench import upstream_speculators as upstream  # noqa: E402
-from common.atomic import write_json  # noqa: E402
-from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT  # noqa: E402
-from common.draft.model import TINY_CONFIG  # noqa: E402
-from common.fixtures.targets import ensure_target  # noqa: E402
+from bench import upstream_speculators as upstream
+from common.atomic import write_json
+from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
+from common.draft.model import TINY_CONFIG
+from common.fixtures.targets import ensure_target
 
 # 04 as it was before issue 20: configs/draft_tiny.json's lr was 6e-3 then.
 BEFORE = ("--optimizer", "adamw", "--ttt-inputs", "draft", "--init", "torch", "--no-freeze-draft-lm-head",

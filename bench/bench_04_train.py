@@ -42,21 +42,19 @@ from pathlib import Path
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from bench import upstream_speculators as upstream  # noqa: E402
-from bench.bench_04_recipe import prepare, target_args  # noqa: E402
-from common.atomic import write_json  # noqa: E402
-from common.defaults import REPO_ROOT  # noqa: E402
-from common.draft import patch  # noqa: E402
-from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config  # noqa: E402
-from common.fixtures.targets import ensure_target  # noqa: E402
-from common.hidden_states.loader import epoch_tokens, load_hidden_states, make_loader, split_data  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.train import trainer as project_trainer  # noqa: E402
-from common.train.optimizers import build_optimizer, build_scheduler  # noqa: E402
-from common.train.settings import TrainSettings  # noqa: E402
-from common.vocab import load_vocab  # noqa: E402
+from bench import upstream_speculators as upstream
+from bench.bench_04_recipe import prepare, target_args
+from common.atomic import write_json
+from common.defaults import REPO_ROOT
+from common.draft import patch
+from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
+from common.fixtures.targets import ensure_target
+from common.hidden_states.loader import epoch_tokens, load_hidden_states, make_loader, split_data
+from common.target.config import load_target_info
+from common.train import trainer as project_trainer
+from common.train.optimizers import build_optimizer, build_scheduler
+from common.train.settings import TrainSettings
+from common.vocab import load_vocab
 
 UPSTREAM_VARIANT = "upstream-muon-head"  # Muon, lm_head trained: 04's defaults in upstream's trainer
 PHASES = ("data (load, noise, collate)", "draft forward", "verifier logits", "loss and metrics", "backward",

@@ -27,13 +27,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from common.data.prepared_dataset import load_prepared  # noqa: E402
-from common.defaults import DEFAULT_RUN_DIR  # noqa: E402
-from common.draft.model import load_draft  # noqa: E402
-from common.errors import PipelineError  # noqa: E402
-from common.evaluate.measure import (  # noqa: E402
+from common.data.prepared_dataset import load_prepared
+from common.defaults import DEFAULT_RUN_DIR
+from common.draft.model import load_draft
+from common.errors import PipelineError
+from common.evaluate.measure import (
     check_draft,
     degenerate_share,
     held_out,
@@ -41,11 +39,11 @@ from common.evaluate.measure import (  # noqa: E402
     measure_draft,
     measure_plain,
 )
-from common.evaluate.prompts import select_prompts  # noqa: E402
-from common.fixtures.targets import ensure_target  # noqa: E402
-from common.hidden_states.loader import load_hidden_states  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.target.model import load_text_model  # noqa: E402
+from common.evaluate.prompts import select_prompts
+from common.fixtures.targets import ensure_target
+from common.hidden_states.loader import load_hidden_states
+from common.target.config import load_target_info
+from common.target.model import load_text_model
 
 
 def run(run_dir: Path = DEFAULT_RUN_DIR, draft: Path | None = None, target: Path | None = None,

@@ -20,18 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.bench_02_extract import run as run_bench  # noqa: E402
-from common.defaults import REPO_ROOT  # noqa: E402
-from common.fixtures.targets import ensure_target  # noqa: E402
-from common.hidden_states.capture import StateExtractor, verify_samples  # noqa: E402
-from common.hidden_states.files import list_sample_files  # noqa: E402
-from common.hidden_states.storage import FP32_CHECK  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.target.model import load_text_model  # noqa: E402
+from bench.bench_02_extract import run as run_bench
+from common.defaults import REPO_ROOT
+from common.fixtures.targets import ensure_target
+from common.hidden_states.capture import StateExtractor, verify_samples
+from common.hidden_states.state_files import list_sample_files
+from common.hidden_states.storage import FP32_CHECK
+from common.target.config import load_target_info
+from common.target.model import load_text_model
 
 DEVICE = "cuda:0"
 

@@ -39,16 +39,14 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from common.atomic import write_json  # noqa: E402
-from common.draft import patch  # noqa: E402
-from common.draft.model import KIMI_CONFIG, build_draft, read_config_file, speculator_config  # noqa: E402
-from common.fixtures.targets import KIMI_TEXT_CONFIG, KIMI_VOCAB_SIZE  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.train.settings import PRECISIONS, TrainSettings  # noqa: E402
-from common.train.trainer import ProjectTrainer, prepare_draft, trainer_config  # noqa: E402
-from common.vocab import build_maps  # noqa: E402
+from common.atomic import write_json
+from common.draft import patch
+from common.draft.model import KIMI_CONFIG, build_draft, read_config_file, speculator_config
+from common.fixtures.targets import KIMI_TEXT_CONFIG, KIMI_VOCAB_SIZE
+from common.target.config import load_target_info
+from common.train.settings import PRECISIONS, TrainSettings
+from common.train.trainer import ProjectTrainer, prepare_draft, trainer_config
+from common.vocab import build_maps
 
 WARMUP_STEPS = 2
 SAMPLES_PER_SEQ_TOKENS = 2048  # packed samples of this length (the 1,000 / 500K estimate's sample)

@@ -26,21 +26,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from common.fixtures.targets import KIMI_TEXT_CONFIG  # noqa: E402
-from common.target.device_plan import (  # noqa: E402
+from common.fixtures.targets import KIMI_TEXT_CONFIG
+from common.target.device_plan import (
     DevicePlanError,
     activation_headroom,
     block_sizes,
     parse_size,
     plan_device_map,
 )
-from common.target.int4_experts import (  # noqa: E402
+from common.target.int4_experts import (
     PackedLinear,
     kimi_quantization_config,
     packed_modules,

@@ -16,15 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import bench_02_extract  # noqa: E402
-import bench_02_resume  # noqa: E402
-import bench_03_vocab  # noqa: E402
-import bench_04_train  # noqa: E402
-import bench_05_speculative  # noqa: E402
-
-from common.defaults import DEFAULT_RUN_DIR  # noqa: E402
+from bench import bench_02_extract, bench_02_resume, bench_03_vocab, bench_04_train, bench_05_speculative
+from common.defaults import DEFAULT_RUN_DIR
 
 
 def rows(quick: bool, run_dir: Path) -> list[tuple[str, str, str, str, str]]:

@@ -9,13 +9,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: the repository's common/
-
-from common.cli import run_main  # noqa: E402
-from common.evaluate.prompt_sets import PUBLISHED_SETS, fetch_published_set  # noqa: E402
+from common.cli import run_main
+from common.evaluate.prompt_sets import PUBLISHED_SETS, fetch_published_set
 
 
 def main(argv: list[str] | None = None) -> int:

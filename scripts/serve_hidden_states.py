@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: the repository's common/
-
-from common.cli import run_main  # noqa: E402
-from common.defaults import REPO_ROOT  # noqa: E402
-from common.errors import PipelineError  # noqa: E402
-from common.hidden_states.capture import validate_layer_ids  # noqa: E402
-from common.runtime import DTYPES  # noqa: E402
-from common.target.config import load_target_info  # noqa: E402
-from common.vllm.client import EngineSettings, check_servable, check_vllm_python, vllm_device, worker_env  # noqa: E402
+from common.cli import run_main
+from common.defaults import REPO_ROOT
+from common.engine_device import DTYPES
+from common.errors import PipelineError
+from common.hidden_states.capture import validate_layer_ids
+from common.target.config import load_target_info
+from common.vllm.client import EngineSettings, check_servable, check_vllm_python, vllm_device, worker_env
 
 
 def main(argv: list[str] | None = None) -> int:

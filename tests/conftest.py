@@ -115,7 +115,7 @@ def models(kimi_target, flat_target):
     return loaded
 
 
-# --- running the suite on several cores (pytest-xdist, `-n auto --dist loadgroup` in pytest.ini) ---------
+# --- running the suite on several cores (pytest-xdist, `-n auto --dist loadgroup` in pyproject.toml) ----
 
 # Minutes a group of tests took on 2 shared cores (a warm run of the whole suite, each group's test
 # times summed from --junitxml; 2026-12-04): the scheduler hands out the longest first, so no long group

@@ -37,12 +37,8 @@ from common.draft.model import (
     read_config_file,
     speculator_config,
 )
-from common.hidden_states.files import (
-    SAMPLE_LENGTHS,
-    DataConfig,
-    list_sample_files,
-    save_sample,
-)
+from common.hidden_states.data_config import SAMPLE_LENGTHS, DataConfig
+from common.hidden_states.state_files import list_sample_files, save_sample
 from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
 from common.vocab import build_maps, make_report, write_vocab

@@ -32,7 +32,6 @@ from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
 from common.defaults import REPO_ROOT
 from common.errors import PipelineError
-from common.hidden_states import files as state_files
 from common.hidden_states.capture import (
     StateExtractor,
     estimate_bytes,
@@ -41,14 +40,9 @@ from common.hidden_states.capture import (
     validate_layer_ids,
     verify_samples,
 )
-from common.hidden_states.files import (
-    DATA_CONFIG,
-    SAMPLE_LENGTHS,
-    DataConfig,
-    list_sample_files,
-    sample_path,
-    save_sample,
-)
+from common.hidden_states.data_config import DATA_CONFIG, SAMPLE_LENGTHS, DataConfig
+from common.hidden_states.journal import Journal, find_done, ids_digest, journal_path
+from common.hidden_states.state_files import is_valid_sample, list_sample_files, sample_path, save_sample
 from common.hidden_states.storage import FP32_CHECK, SCALES_KEY, STORAGES
 from common.target.config import load_target_info
 from common.target.int4_experts import PackedLinear, dequantize_packed
@@ -239,13 +233,13 @@ def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatc
     hidden = 8
     rows = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
     ds = Dataset.from_dict({"input_ids": rows})
-    journal = state_files.Journal(state_files.journal_path(tmp_path, 0, 1))
+    journal = Journal(journal_path(tmp_path, 0, 1))
     for i, ids in enumerate(rows):
         n = len(ids)
         size = save_sample(tmp_path, i, torch.tensor(ids), [torch.zeros(n, hidden, dtype=torch.bfloat16)] * 4,
                            torch.ones(n, dtype=torch.long))
         if i != 3:  # row 3: killed between its file and its journal line
-            journal.add(i, size, state_files.ids_digest(ids))
+            journal.add(i, size, ids_digest(ids))
     journal.file.write("4 12")  # a line cut short by the kill
     journal.close()
     truncated = sample_path(tmp_path, 1)
@@ -254,9 +248,9 @@ def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatc
                      with_indices=True)  # row 2 re-prepared with other ids
 
     loaded = []
-    original = state_files.is_valid_sample
-    monkeypatch.setattr(state_files, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
-    done, redo = state_files.find_done(tmp_path, changed, set(range(len(rows))), hidden)
+    original = is_valid_sample
+    monkeypatch.setattr(journal, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
+    done, redo = find_done(tmp_path, changed, set(range(len(rows))), hidden)
     assert done == {0, 3, 4} and redo == 2
     assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
     assert not sample_path(tmp_path, 1).exists() and not sample_path(tmp_path, 2).exists()
@@ -349,7 +343,7 @@ def test_systematic_out_of_memory_stops_past_the_skip_limit(kimi_target, tmp_pat
 
 def test_disk_check_refuses_a_small_disk(kimi_target, tmp_path, monkeypatch):
     prepared = write_prepared(tmp_path / "prepared", kimi_target, 5)
-    monkeypatch.setattr("common.hidden_states.files.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(10**6, 10**6, 1000))
+    monkeypatch.setattr("common.hidden_states.folder_lock.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(10**6, 10**6, 1000))
     args = extract_args(prepared, kimi_target, tmp_path / "hs", "--max-samples", "3")
     with pytest.raises(PipelineError, match=r"has 1\.0 KB free, the samples still to extract need about [\d.,]+ KB; "
                                             ".*--skip-disk-check"):  # the units of the sizes, not "0.0 GB"
@@ -371,7 +365,7 @@ def test_disk_check_counts_fp8_as_half(kimi_target, tmp_path, monkeypatch):
     tokens = sum(len(r) for r in Dataset.load_from_disk(str(prepared))[:3]["input_ids"])
     fp8, bf16 = (estimate_bytes(tokens, 3, 64, STORAGES[name]) for name in ("fp8", "bf16"))
     free = (fp8 + bf16) // 2
-    monkeypatch.setattr("common.hidden_states.files.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(free, free, free))
+    monkeypatch.setattr("common.hidden_states.folder_lock.shutil.disk_usage", lambda _p: shutil._ntuple_diskusage(free, free, free))
     with pytest.raises(PipelineError, match="need about"):
         load_script().main(extract_args(prepared, kimi_target, tmp_path / "bf16", "--max-samples", "3"))
     load_script().main(extract_args(prepared, kimi_target, tmp_path / "fp8", "--max-samples", "3", "--storage", "fp8"))

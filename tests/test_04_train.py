@@ -41,12 +41,12 @@ from common.draft.model import (
     read_config_file,
     read_saved_config,
 )
+from common.draft.validation import simulated_acceptance_length, validation_metrics
 from common.errors import PipelineError
 from common.hidden_states.loader import load_hidden_states, make_loader, split_data
 from common.hidden_states.storage import STORAGES
 from common.target.config import load_target_info
 from common.train import checkpoints
-from common.draft.validation import simulated_acceptance_length, validation_metrics
 from common.train.metrics import read_log
 from common.train.settings import TrainSettings
 from common.vocab import load_vocab

@@ -52,14 +52,9 @@ from helpers import (
 from common.atomic import TMP_PREFIX
 from common.defaults import REPO_ROOT
 from common.draft.model import TINY_CONFIG
-from common.hidden_states.files import (
-    LOCK_FORMAT,
-    SAMPLE_LENGTHS,
-    DataConfig,
-    is_valid_sample,
-    list_sample_files,
-    sample_path,
-)
+from common.hidden_states.data_config import SAMPLE_LENGTHS, DataConfig
+from common.hidden_states.folder_lock import LOCK_FORMAT
+from common.hidden_states.state_files import is_valid_sample, list_sample_files, sample_path
 
 pytestmark = pytest.mark.slow
 

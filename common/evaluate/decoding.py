@@ -34,9 +34,9 @@ draft's query for token x_p has RoPE position p; its KV cache index c holds posi
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from transformers import DynamicCache

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from common.atomic import read_json
 from common.data.fingerprints import prepared_fingerprint
 from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
+from common.draft.validation import ValSummary, validation_metrics
 from common.errors import PipelineError
 from common.evaluate.decoding import (
     LOOP_RUN,
@@ -41,11 +42,10 @@ from common.evaluate.decoding import (
 from common.evaluate.prompt_sets import PromptItem
 from common.evaluate.prompts import ChatPrompter, Prompt, ask_turns
 from common.hidden_states.capture import capture_layers
-from common.hidden_states.files import sample_index
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
+from common.hidden_states.state_files import sample_index
 from common.target.config import TargetInfo
 from common.target.model import decoder_parts
-from common.draft.validation import ValSummary, validation_metrics
 
 DEFAULT_EVAL_SEQ_LEN = 2048  # packed tokens per offline batch when the training run's is unknown
 
@@ -171,7 +171,7 @@ def offline_metrics(draft: torch.nn.Module, data: HiddenStateData, files: list[P
     loader = make_loader(data, files, HeldOutLoading(total_seq_len), world_size=1, rank=0, train=False,
                          pin_memory=False)
     summary = ValSummary.from_metrics(validation_metrics(draft, loader, device, {"ttt_steps": k}), epoch=0)
-    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/hidden_states/sample_files.py)
+    skipped = loader.tally.skipped  # damaged files, each named on stderr (common/hidden_states/skip_damaged.py)
     return {"skipped_files": skipped, "val_loss": summary.loss, "loss_per_step": summary.loss_per_step,
             "full_acc": summary.full_acc,
             "cond_acc": summary.cond_acc, "simulated_acceptance_length": summary.acceptance_length,

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.atomic import write_json
+from common.draft.validation import simulated_acceptance_length
 from common.evaluate.decoding import LOOP_RUN, Generation, SpeculativeStats
 from common.evaluate.measure import MeasuredResult, degenerate_share
 from common.evaluate.prompts import Prompt
-from common.draft.validation import simulated_acceptance_length
 
 __all__ = ["finite", "DraftReport", "by_prompt_set", "summary_table", "gap_notes", "output_lines",
            "write_report"]

@@ -28,7 +28,9 @@ import torch
 from tqdm import tqdm
 
 from common.errors import PipelineError, first_line, skip_limit
-from common.hidden_states.files import NUM_STATES, Journal, file_digest, ids_digest, sample_path, save_sample
+from common.hidden_states.data_config import NUM_STATES
+from common.hidden_states.journal import Journal, ids_digest
+from common.hidden_states.state_files import file_digest, sample_path, save_sample
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
 from common.target.model import decoder_parts
 

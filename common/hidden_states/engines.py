@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from common.engine_device import Runtime
 from common.hidden_states.capture import StateExtractor
 from common.hidden_states.storage import StateStorage
 from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of, worker_fetch
-from common.runtime import Runtime
 from common.target.config import TargetInfo
 from common.target.model import load_text_model
 from common.vllm.client import EngineSettings, StateServerClient, VllmWorker

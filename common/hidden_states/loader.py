@@ -9,7 +9,7 @@ each explained where made: the split shuffles prepared rows, not the folder's li
 sampler gets the exact lengths of `sample_lengths.json` instead of the library's file-size
 estimate; the folder is checked first for anything the dataset would misread; and a file that
 cannot be loaded or does not match the manifests is skipped and counted instead of ending the run
-(common/hidden_states/sample_files.py). The sampler is subclassed only to start a pass after the
+(common/hidden_states/skip_damaged.py). The sampler is subclassed only to start a pass after the
 batches a step checkpoint already trained.
 """
 
@@ -32,13 +32,14 @@ from torch.utils.data import DataLoader
 from common.atomic import read_json
 from common.draft.model import DraftShape
 from common.errors import PipelineError, first_line
-from common.hidden_states.files import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig, sample_index
-from common.hidden_states.sample_files import (
+from common.hidden_states.data_config import DATA_CONFIG, NUM_STATES, SAMPLE_LENGTHS, DataConfig
+from common.hidden_states.skip_damaged import (
     CheckedDataLoader,
     CheckedSampleDataset,
     SkipTally,
     checked_collate,
 )
+from common.hidden_states.state_files import sample_index
 from common.hidden_states.storage import StateStorage, get_storage, standardize_fn
 from common.target.config import TargetInfo
 
@@ -76,7 +77,7 @@ class HiddenStateData:
 
     def dataset(self, files: list[Path], max_len: int, transform: Callable | None) -> CheckedSampleDataset:
         """The library's file dataset over `files`, with 02's exact lengths (the library would
-        estimate them from file sizes) and damaged files skipped (sample_files.py)."""
+        estimate them from file sizes) and damaged files skipped (skip_damaged.py)."""
         return CheckedSampleDataset(files, [self.lengths[Path(f)] for f in files], self.config.hidden_size, max_len,
                                     transform, standardize_fn(self.config.storage))
 
@@ -87,7 +88,7 @@ class HiddenStateData:
         return settings.num_workers
 
     def skip_tally(self, files: list[Path] | None = None) -> SkipTally:
-        """A tally of skipped files among `files` (default: all; common/hidden_states/sample_files.py),
+        """A tally of skipped files among `files` (default: all; common/hidden_states/skip_damaged.py),
         told of those already found damaged."""
         files = self.files if files is None else files
         tally = SkipTally(len(files))
@@ -101,7 +102,7 @@ def load_hidden_states(folder: str | Path) -> HiddenStateData:
     """Step 02's folder, checked for what would make speculators' dataset misread it: every
     file it loads (any name ending in `pt`) must be a listed `data_{i}.pt`, and the first
     readable one must hold the four states of the hidden size `data_config.json` declares. Files
-    cut short are noted in `unreadable` (skipped when loaded, see common/hidden_states/sample_files.py)."""
+    cut short are noted in `unreadable` (skipped when loaded, see common/hidden_states/skip_damaged.py)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise PipelineError(f"hidden states {folder}: no such folder (run 02_extract_hidden_states.py first)")
@@ -200,7 +201,7 @@ def split_data(data: HiddenStateData, settings: SplitSettings) -> tuple[list[Pat
 def make_loader(data: HiddenStateData, files: list[Path], settings: LoaderSettings, world_size: int, rank: int,
                 train: bool, pin_memory: bool, tally: SkipTally | None = None) -> DataLoader:
     """The library's data path over `files`, with damaged files skipped and counted in `tally`
-    (common/hidden_states/sample_files.py; a fresh one for the data when None)."""
+    (common/hidden_states/skip_damaged.py; a fresh one for the data when None)."""
     transform = (AddUniformNoise(std=settings.noise_std, tensors=("hidden_states",))
                  if train and settings.noise_std > 0 else None)
     dataset = data.dataset(files, settings.total_seq_len, transform)

@@ -34,6 +34,7 @@ from speculators.train.data import shift_batch
 
 from common.atomic import format_bytes, read_json
 from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.engine_device import Runtime
 from common.errors import PipelineError, first_line, skip_limit
 from common.hidden_states.capture import (
     DEFAULT_BATCH_TOKENS,
@@ -43,26 +44,13 @@ from common.hidden_states.capture import (
     estimate_bytes,
     plan_batches,
 )
+from common.hidden_states.data_config import DATA_CONFIG, NUM_STATES, DataConfig, new_data_config
 from common.hidden_states.engines import open_state_engine
-from common.hidden_states.files import (
-    DATA_CONFIG,
-    NUM_STATES,
-    SCALES_KEY,
-    DataConfig,
-    check_output_folder,
-    list_sample_files,
-    manifest_path,
-    merge_manifests,
-    new_data_config,
-    sample_index,
-    sample_path,
-    save_sample,
-    write_manifest,
-)
 from common.hidden_states.loader import HiddenStateData, LoaderSettings, ResumableBatchSampler
-from common.hidden_states.sample_files import CheckedSampleDataset, SkipTally
-from common.hidden_states.storage import StateStorage, StoredStates, get_storage, standardize_fn
-from common.runtime import Runtime
+from common.hidden_states.manifests import check_output_folder, manifest_path, merge_manifests, write_manifest
+from common.hidden_states.skip_damaged import CheckedSampleDataset, SkipTally
+from common.hidden_states.state_files import list_sample_files, sample_index, sample_path, save_sample
+from common.hidden_states.storage import SCALES_KEY, StateStorage, StoredStates, get_storage, standardize_fn
 from common.target.config import TargetInfo
 
 __all__ = ["DEFAULT_PREFETCH", "OnlineStates", "StateEngineError", "open_online_states", "prefetch_bytes"]

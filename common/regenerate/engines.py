@@ -16,9 +16,9 @@ from contextlib import contextmanager
 import torch
 from transformers import GenerationConfig
 
+from common.engine_device import Runtime
 from common.errors import PipelineError
 from common.regenerate.run import Completion, Engine, RegenerateOptions
-from common.runtime import Runtime
 from common.target.config import TargetInfo
 from common.target.model import load_text_model
 from common.vllm.client import EngineSettings, VllmWorker

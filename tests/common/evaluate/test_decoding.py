@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.draft import patch
+from common.draft.validation import simulated_acceptance_length
 from common.evaluate.decoding import (
     DraftProposer,
     Generation,
@@ -30,7 +31,6 @@ from common.evaluate.decoding import (
 from common.hidden_states.capture import capture_layers
 from common.target.int4_experts import PackedLinear
 from common.target.model import decoder_parts
-from common.draft.validation import simulated_acceptance_length
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams()

@@ -6,7 +6,7 @@ import torch
 from datasets import Dataset
 
 from common.hidden_states.capture import ExtractionRun
-from common.hidden_states.files import list_sample_files
+from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import StoredStates
 
 CPU_ALLOCATOR = ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 74490839040 bytes. "

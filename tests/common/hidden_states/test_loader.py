@@ -12,8 +12,8 @@ from helpers import write_hidden_states
 from speculators.train.data import list_files
 
 from common.errors import PipelineError
-from common.hidden_states.files import sample_index
 from common.hidden_states.loader import load_hidden_states, split_data
+from common.hidden_states.state_files import sample_index
 from common.train.settings import TrainSettings
 
 

@@ -11,9 +11,9 @@ from helpers import write_hidden_states
 from speculators.train.data import Eagle3SampleFileDataset
 from speculators.train.noise_transforms import AddUniformNoise
 
-from common.hidden_states.files import list_sample_files
 from common.hidden_states.loader import ResumableBatchSampler
 from common.hidden_states.online import OnlineSampleDataset, PrefetchingBatchSampler, prefetch_bytes
+from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import standardize_fn
 
 

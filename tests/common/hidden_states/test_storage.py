@@ -8,7 +8,8 @@ import torch
 from speculators.train.data import Eagle3SampleFileDataset, standardize_data_v1
 
 from common.errors import PipelineError
-from common.hidden_states.files import NUM_STATES, is_valid_sample, sample_path, save_sample
+from common.hidden_states.data_config import NUM_STATES
+from common.hidden_states.state_files import is_valid_sample, sample_path, save_sample
 from common.hidden_states.storage import (
     FP8_DTYPE,
     SCALES_KEY,

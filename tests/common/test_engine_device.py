@@ -1,4 +1,4 @@
-"""common/runtime.py: one Runtime from the engine, placement and dtype flags, the defaults decided
+"""common/engine_device.py: one Runtime from the engine, placement and dtype flags, the defaults decided
 in one place (this CPU host: cpu, fp32; vLLM: bf16), bad combinations refused by flag."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import argparse
 import pytest
 import torch
 
+from common.engine_device import Runtime, add_runtime_args, default_device
 from common.errors import PipelineError
-from common.runtime import Runtime, add_runtime_args, default_device
 from common.target.config import load_target_info
 from common.target.device_plan import DevicePlanError
 

@@ -5,16 +5,9 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
-from common.hidden_states import files as state_files
-from common.hidden_states.files import (
-    Journal,
-    file_digest,
-    find_done,
-    ids_digest,
-    journal_path,
-    sample_path,
-    save_sample,
-)
+from common.hidden_states import journal
+from common.hidden_states.journal import Journal, find_done, ids_digest, journal_path, read_journals
+from common.hidden_states.state_files import file_digest, is_valid_sample, sample_path, save_sample
 
 HIDDEN = 8
 ROWS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
@@ -43,8 +36,8 @@ def test_verify_redoes_a_file_damaged_in_place_and_a_plain_restart_does_not_open
     damage_state_bytes(sample_path(tmp_path, 2))
     assert torch.load(sample_path(tmp_path, 2), weights_only=True)["hidden_states"][0].float().mean() != 2.0
     loaded = []
-    original = state_files.is_valid_sample
-    monkeypatch.setattr(state_files, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
+    original = is_valid_sample
+    monkeypatch.setattr(journal, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
     assert find_done(tmp_path, ds, set(range(4)), HIDDEN) == ({0, 1, 2, 3}, 0) and loaded == []
     done, redo = find_done(tmp_path, ds, set(range(4)), HIDDEN, verify=True)
     assert (done, redo) == ({0, 1, 3}, 1)
@@ -58,6 +51,6 @@ def test_a_journal_with_bytes_that_are_not_utf8_is_read_around_them(tmp_path):
     lines = path.read_bytes().splitlines(keepends=True)
     lines[1] = b"1 \xff\xfe garbled\n"
     path.write_bytes(b"".join(lines))
-    journal = state_files.read_journals(tmp_path)
+    journal = read_journals(tmp_path)
     assert sorted(journal) == [0, 2, 3]
     assert find_done(tmp_path, ds, set(range(4)), HIDDEN) == ({0, 1, 2, 3}, 0)  # row 1 loaded and checked

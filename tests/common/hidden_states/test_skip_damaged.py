@@ -8,9 +8,9 @@ from helpers import write_hidden_states
 
 from common.draft.model import TINY_CONFIG, read_config_file
 from common.errors import MIN_SKIPPED_LIMIT, PipelineError
-from common.hidden_states.files import sample_path
 from common.hidden_states.loader import load_hidden_states, make_loader
-from common.hidden_states.sample_files import SkipTally
+from common.hidden_states.skip_damaged import SkipTally
+from common.hidden_states.state_files import sample_path
 from common.train.settings import TrainSettings
 
 SEQ = 64  # one sample per batch (samples are 48..54 tokens long)

@@ -1,0 +1,1 @@
+"""Benchmarks of the stages against their references (README: Benchmarks); run as scripts."""
