@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.errors import PipelineError
 from common.data.fingerprints import check_same_prepared
 from common.draft import patch
 from common.draft.eagle31 import norms_of
@@ -46,6 +45,8 @@ from common.draft.model import (
     read_config_file,
     speculator_config,
 )
+from common.engine_device import Runtime, add_runtime_args, default_device
+from common.errors import PipelineError
 from common.hidden_states.capture import DEFAULT_BATCH_TOKENS, validate_layer_ids
 from common.hidden_states.loader import (
     SPLIT_FILE,
@@ -59,7 +60,6 @@ from common.hidden_states.loader import (
 )
 from common.hidden_states.online import DEFAULT_PREFETCH, StateEngineError, open_online_states
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
-from common.engine_device import Runtime, add_runtime_args, default_device
 from common.target.config import TargetInfo, load_target_info
 from common.target.device_plan import parse_size
 from common.train.checkpoints import (

@@ -261,7 +261,7 @@ def main() -> int:
     if not args.table_only:
         prepare(args.run_dir, target)
     paths: dict[str, list[tuple[int, Path]]] = {}
-    for name, (label, flags) in chosen.items():
+    for name, (_label, flags) in chosen.items():
         for seed in args.seeds:
             path = eval_file(args.run_dir, name, seed, args.ks, vllm)
             if not args.table_only:

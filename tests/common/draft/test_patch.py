@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch.distributions import Categorical, kl_divergence
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.models.eagle3 import core as eagle3_core
 from speculators.models.eagle3.attention import ALL_ATTENTION_FUNCTIONS, flex_attention_forward
 from speculators.train import trainer as library_trainer
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 from speculators.utils.loading import load_model_layers
+from torch.distributions import Categorical, kl_divergence
 from transformers import AutoConfig
 
 from common.draft import patch
