@@ -249,7 +249,8 @@ def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatc
 
     loaded = []
     original = is_valid_sample
-    monkeypatch.setattr(journal, "is_valid_sample", lambda path, *a: loaded.append(path.name) or original(path, *a))
+    monkeypatch.setattr("common.hidden_states.journal.is_valid_sample",
+                        lambda path, *a: loaded.append(path.name) or original(path, *a))
     done, redo = find_done(tmp_path, changed, set(range(len(rows))), hidden)
     assert done == {0, 3, 4} and redo == 2
     assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
