@@ -69,7 +69,7 @@ from common.train.checkpoints import (
     numbered,
     split_warning,
 )
-from common.train.distributed import setup_distributed, teardown_distributed
+from common.train.distributed import leave_rank, setup_distributed, teardown_distributed
 from common.train.metrics import (
     LOG_FILE,
     PLOT_FILE,
@@ -180,7 +180,14 @@ def check_online_flags(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    local_rank, world_size, rank, distributed = setup_distributed()
+    _, world_size, rank, distributed = setup_distributed()
+    code = train(args, world_size, rank, distributed)
+    if distributed:
+        leave_rank(code)  # under torchrun, without interpreter finalization (common/train/distributed.py)
+    return code
+
+
+def train(args: argparse.Namespace, world_size: int, rank: int, distributed: bool) -> int:
     is_main = rank == 0
     say = print if is_main else (lambda *_a, **_k: None)
 

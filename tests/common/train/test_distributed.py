@@ -5,6 +5,8 @@ tests/test_04_train.py)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -39,3 +41,12 @@ def test_under_torchrun_on_cpu_the_group_starts_on_gloo(monkeypatch):
     finally:
         teardown_distributed()
     assert not dist.is_initialized()
+
+
+def test_a_rank_leaves_with_its_code_its_output_flushed_and_no_finalization():
+    """leave_rank: the exit code kept, buffered output written, atexit (finalization) not run."""
+    code = ("import atexit, sys; from common.train.distributed import leave_rank; "
+            "atexit.register(lambda: print('finalized')); print('done', end=''); "
+            "print('to stderr', file=sys.stderr, end=''); leave_rank(3)")
+    left = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (left.returncode, left.stdout) == (3, "done") and left.stderr.endswith("to stderr")
