@@ -39,7 +39,7 @@ Variants of 04, issue 20's: `before` is 04 before issue 20 (AdamW, TTT steps fed
 guesses, PyTorch's initialisation, draft lm_head trained, lr 6e-3); each `+ ...` row changes one thing
 from it (`+ lr 1.8e-2`: the config's rate now); `defaults` is 04 with no recipe flag; `defaults, frozen
 lm_head` and `defaults, noise off` change it as upstream does (its head frozen; no noise augmentation),
-`muon-wd-0.01` back to the Muon weight decay before issue 33 (upstream's 0.1 now). Issue 33's, each
+`muon-wd-0.01`, `muon-wd-0.2` and `muon-wd-0.3` other Muon weight decays (upstream's 0.1 is the default). Issue 33's, each
 on the defaults: `loss-*` (`--loss`), `ttt5`, `ttt7-nodecay` and `ttt7` (5 or 7 TTT steps, the last with
 loss decay 0.8 as the EAGLE-3 reference trains; the epoch chosen at k = 3), `eagle31` (the draft
 config's `norm_before_fc` and `norm_output`), and `eagle31-lk-ttt7` (the three together). `--control`
@@ -88,6 +88,8 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
     "defaults-no-noise": ("defaults, noise off (as upstream)", ("--noise-std", "0")),
     "muon-wd-0.01": ("defaults, Muon weight decay 0.01 (before issue 33)", ("--muon-weight-decay", "0.01")),
+    "muon-wd-0.2": ("defaults, Muon weight decay 0.2", ("--muon-weight-decay", "0.2")),
+    "muon-wd-0.3": ("defaults, Muon weight decay 0.3", ("--muon-weight-decay", "0.3")),
     # issue 33: the 2026 choices, each alone on the defaults, then together
     "loss-tv": ("defaults, TV loss", ("--loss", "tv")),
     "loss-lk": ("defaults, LK loss (-log acceptance)", ("--loss", "lk")),
