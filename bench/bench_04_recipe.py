@@ -2,14 +2,14 @@
 against upstream speculators 0.9.0's own trainer, at one or several k.
 
     python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
-        [--variants defaults,loss-lk,...,upstream-31-head] [--seeds 0 1 2] [--ks 3 5 8] [--lr RATE] [--no-vllm]
-        [--control] [--table-only]
+        [--variants defaults,loss-lk,...,upstream-31-head] [--seeds 0 1 2] [--ks 3 5 8] [--lr RATE] [--epochs N]
+        [--no-vllm] [--control] [--table-only]
     # flat miniature: about 5 minutes per variant and seed on 2 quiet CPU cores at one k (04 3, 05 1, vLLM 1-2),
     # about 4 more per further k with vLLM; figures in RUN_DIR/bench_recipe.json
 
 1. 01 -> 02 -> 03 once into RUN_DIR (the demo conversations, a 2048-token draft vocabulary), unless
    RUN_DIR/vocab already exists.
-2. Per variant, 04 into RUN_DIR/<variant>/ with configs/draft_tiny.json's budget (3 epochs, lr 1.8e-2,
+2. Per variant, 04 into RUN_DIR/<variant>/ with configs/draft_tiny.json's budget (4 epochs, lr 1.8e-2,
    3 TTT steps, linear schedule, 1% warm-up) and the variant's flags (and draft shape: `SHAPE_CHANGES`),
    then 05 on its exported draft: the held-out first turns (`--max-prompts`, 04's 58 validation rows),
    64 new tokens, greedy, at each k of `--ks` (default 3), with vLLM too (`--engine vllm`) when
@@ -24,8 +24,9 @@ order, the noise; the held-out split stays `--split-seed` 0's, so every seed is 
 prompts) into RUN_DIR/<variant>/ for seed 0 and RUN_DIR/<variant>-seed<S>/ for the others. A row is
 then the mean over its seeds, with each seed's acceptance length beside it (vLLM's, else 05's): one
 seed's figures move by a few hundredths, so variants closer than that are not told apart by one seed.
-`--lr RATE` replaces the config's rate in every variant that does not set its own, the upstream rows
-too: a rate tried on both trainers (in a run folder of its own, as every variant's folder is reused).
+`--lr RATE` and `--epochs N` replace the config's rate and epochs in every variant that does not set its
+own, the upstream rows too: a budget tried on both trainers (in a run folder of its own, as every
+variant's folder is reused).
 
 The `upstream-*` variants train the same draft with speculators 0.9.0's own trainer instead of 04,
 on the same rows, vocabulary, shape and budget, in its own environment (bench/upstream_speculators.py;
@@ -150,6 +151,21 @@ class Result:
                    avg([r.simulated for r in results]), {s: a for r in results for s, a in r.by_seed.items()})
 
 
+@dataclass
+class Budget:
+    """`--lr` and `--epochs`: in place of configs/draft_tiny.json's in every variant that does not
+    set its own (upstream's rows included)."""
+    lr: float | None
+    epochs: int | None
+
+    def applied(self, flags: tuple[str, ...]) -> tuple[str, ...]:
+        """04's flags of a variant with the budget's values it does not set itself."""
+        for flag, value in (("--lr", self.lr), ("--epochs", self.epochs)):
+            if value is not None and flag not in flags:
+                flags = (*flags, flag, str(value))
+        return flags
+
+
 def folder(variant: str, seed: int) -> str:
     return variant if seed == 0 else f"{variant}-seed{seed}"
 
@@ -191,7 +207,7 @@ def eval_file(run_dir: Path, name: str, seed: int, ks: list[int], vllm: bool) ->
 
 
 def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: tuple[str, ...],
-                      max_prompts: int, vllm: bool, lr: float | None, ks: list[int]) -> Path:
+                      max_prompts: int, vllm: bool, budget: Budget, ks: list[int]) -> Path:
     out = run_dir / folder(name, seed)
     result = eval_file(run_dir, name, seed, ks, vllm)
     if result.is_file():
@@ -199,10 +215,9 @@ def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: 
     if (out / "draft" / "config.json").is_file():
         print(f"{out.name}: trained before; measured at k = {', '.join(map(str, ks))}", flush=True)
     elif name in upstream.VARIANTS:
-        upstream.train_and_export(run_dir, target, out, flags, seed, lr)
+        upstream.train_and_export(run_dir, target, out, flags, seed, budget.lr, budget.epochs)
     else:
-        if lr is not None and "--lr" not in flags:
-            flags = (*flags, "--lr", str(lr))
+        flags = budget.applied(flags)
         shape = "".join(f" {k}={v}" for k, v in SHAPE_CHANGES.get(name, {}).items())
         print(f"{out.name}: 04 {' '.join(flags) or '(defaults)'} --seed {seed}{' draft:' + shape if shape else ''}",
               flush=True)
@@ -241,6 +256,8 @@ def parse_args() -> argparse.Namespace:
                         help="04's --seed of each run of a variant (a row is their mean; the split stays fixed)")
     parser.add_argument("--lr", type=float, help="the rate of every variant that does not set its own (04's and "
                                                  "upstream's; default: configs/draft_tiny.json's)")
+    parser.add_argument("--epochs", type=int, help="the epochs of every variant that does not set its own (04's "
+                                                    "and upstream's; default: configs/draft_tiny.json's)")
     parser.add_argument("--ks", type=int, nargs="+", default=[3],
                         help="the k each draft is measured at (05's --num-speculative-tokens; one table per k)")
     parser.add_argument("--no-vllm", action="store_true", help="05's own decoder only")
@@ -267,8 +284,8 @@ def main() -> int:
         for seed in args.seeds:
             path = eval_file(args.run_dir, name, seed, args.ks, vllm)
             if not args.table_only:
-                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm, args.lr,
-                                         args.ks)
+                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm,
+                                         Budget(args.lr, args.epochs), args.ks)
             if path.is_file():
                 paths.setdefault(name, []).append((seed, path))
     by_k = {k: [Result.mean([Result.read(chosen[name][0], path, seed, k) for seed, path in runs])

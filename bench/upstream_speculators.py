@@ -174,12 +174,13 @@ def last_checkpoint(out: Path) -> Path | None:
     return out / "checkpoints" / str(epochs[-1]) if epochs else None
 
 
-def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int, lr: float | None) -> Path:
+def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int, lr: float | None,
+          epochs: int | None = None) -> Path:
     """Upstream's trainer on CPU; it resumes from its own checkpoints when run again."""
     done = last_checkpoint(out)
-    if done is not None and int(done.name) == tiny_settings().epochs - 1:
+    if done is not None and int(done.name) == (epochs or tiny_settings().epochs) - 1:
         return done
-    return run_trainer(out, [*train_flags(data_dir, target, out, seed, lr), *flags])
+    return run_trainer(out, [*train_flags(data_dir, target, out, seed, lr, epochs), *flags])
 
 
 def run_trainer(out: Path, args: list[str]) -> Path:
@@ -230,10 +231,10 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int) 
 
 
 def train_and_export(run_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int,
-                     lr: float | None = None) -> Path:
-    """OUT/draft, trained by upstream with `seed` (and `lr`, default the config's; the data
-    converted once for all variants)."""
-    print(f"{out.name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}, seed {seed}, lr {lr or 'of the config'}",
-          flush=True)
-    checkpoint = train(convert_data(run_dir, target), target, out, flags, seed, lr)
+                     lr: float | None = None, epochs: int | None = None) -> Path:
+    """OUT/draft, trained by upstream with `seed` (and `lr` and `epochs`, default the config's; the
+    data converted once for all variants)."""
+    print(f"{out.name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}, seed {seed}, lr {lr or 'of the config'}"
+          f", epochs {epochs or 'of the config'}", flush=True)
+    checkpoint = train(convert_data(run_dir, target), target, out, flags, seed, lr, epochs)
     return export(run_dir, target, checkpoint, out, seed)
