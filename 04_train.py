@@ -200,7 +200,7 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
         say(line)
     device = torch.device(default_device(None if distributed else args.device))  # torchrun: one GPU per rank
     patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile,
-                loss=settings.loss)
+                loss=settings.loss, target_temperature=settings.target_temperature)
     output = Path(args.output or args.run_dir)
     data_dir, vocab_dir = stage_dir(args, "hidden_states", args.data), stage_dir(args, "vocab", args.vocab)
 
@@ -233,7 +233,8 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
             f"aux layers {data.config.layer_ids}, rope theta {config.transformer_layer_config.rope_theta}, on {device}")
         say(f"recipe: {settings.optimizer}" + (f" (Muon lr {settings.muon_lr or settings.lr:g}, AdamW lr {settings.lr:g})"
                                                  if settings.optimizer == "muon" else f" (lr {settings.lr:g})")
-            + f", {settings.loss} loss over {settings.ttt_steps} TTT steps (decay {settings.ttt_step_loss_decay:g}) fed "
+            + f", {settings.loss} loss" + (f" to the target at temperature {settings.target_temperature:g}"
+                                             if settings.target_temperature != 1.0 else "") + " over {settings.ttt_steps} TTT steps (decay {settings.ttt_step_loss_decay:g}) fed "
             f"the {'dataset' if settings.ttt_inputs == 'dataset' else 'draft'}'s tokens, init "
             f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}; "
             f"chosen and exported for k = {settings.served_k}"

@@ -40,8 +40,10 @@ with other arguments replaces the earlier choice. What it installs:
    after summing over the vocabulary. The gradients are bitwise the library's (the same products
    in the same order: see `kl_loss`); the loss value it logs differs from the library's by float
    rounding of the sum. It also offers the losses aimed at acceptance itself (`LOSSES`, chosen
-   with `apply(loss=...)`, defined in `divergence`), which 0.3.0 lacks. Compiled with the KL
-   loss, the library's function stays: the compiler fuses its elementwise work itself.
+   with `apply(loss=...)`, defined in `divergence`), which 0.3.0 lacks, and a temperature for the
+   verifier's distribution (`apply(target_temperature=...)`, see `verifier_targets`). Compiled
+   with the KL loss at temperature 1, the library's function stays: the compiler fuses its
+   elementwise work itself.
 
 The EAGLE-3.1 norms (speculators 0.9.0's `norm_before_fc` / `norm_output`) are hooks on one draft,
 not a patch of the library: see `common.draft.eagle31`.
@@ -85,20 +87,25 @@ ORIGINAL_CREATE_BLOCK_MASK = library_core.create_block_mask
 BLOCK_SIZE = 128  # FlexAttention's default block, the library's
 
 
-def apply(*, trust_remote_code: bool = False, compile_forward: bool = True, loss: str = "kl") -> None:
+def apply(*, trust_remote_code: bool = False, compile_forward: bool = True, loss: str = "kl",
+          target_temperature: float = 1.0) -> None:
     """Install the fixes above. `trust_remote_code` is used to read the target's config
     (Kimi-K2.5's is remote code); `compile_forward=False` runs the draft's forward eagerly;
-    `loss` is the divergence the draft trains on (one of `LOSSES`, see `divergence`)."""
-    global _loss
+    `loss` is the divergence the draft trains on (one of `LOSSES`, see `divergence`), toward the
+    verifier's distribution at `target_temperature` (see `verifier_targets`)."""
+    global _loss, _target_temperature
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r}: expected one of {', '.join(LOSSES)}")
-    _loss = loss
+    if not target_temperature > 0:
+        raise ValueError(f"target_temperature {target_temperature}: must be positive")
+    _loss, _target_temperature = loss, float(target_temperature)
+    library_loss = compile_forward and loss == "kl" and _target_temperature == 1.0
     Eagle3DraftModel._setup_embeddings_and_lm_heads = _make_setup(trust_remote_code)
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention_forward)
     library_trainer.SingleGPUCheckpointer = DeviceAgnosticCheckpointer
     Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
     library_trainer.dist = AVERAGING_DIST
-    library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if compile_forward and loss == "kl" else compute_metrics
+    library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if library_loss else compute_metrics
     library_core.create_block_mask = ORIGINAL_CREATE_BLOCK_MASK if compile_forward else create_block_mask
 
 
@@ -307,6 +314,7 @@ LOSSES = ("kl", "tv", "lk", "lk-hybrid", "jsd", "rkl")
 LK_HYBRID_ETA = 3.0  # the LK paper's best hybrid setting (arXiv 2602.23881), upstream's default
 OVERLAP_FLOOR = 1e-5  # -log of the overlap is taken at no less than this (upstream's `_NLA_EPS`)
 _loss = "kl"  # set by `apply(loss=...)`
+_target_temperature = 1.0  # set by `apply(target_temperature=...)`
 
 
 class VerifierTargets(NamedTuple):
@@ -321,10 +329,17 @@ class VerifierTargets(NamedTuple):
 
 
 def verifier_targets(logits: torch.Tensor) -> VerifierTargets:
-    p = torch.softmax(logits, dim=-1)
+    """The targets of one batch, from the verifier's distribution at `_target_temperature`:
+    p = softmax(logits / T). Below 1 it is sharpened toward the verifier's argmax, the token
+    that decides acceptance where the draft proposes its own argmax (vLLM's default draft
+    sampling: the rejection sampler then accepts it with the verifier's probability of it, at
+    any serving temperature), while keeping the rest of the distribution's ranking. The argmax,
+    and so the accuracies, do not depend on T."""
+    scaled = logits if _target_temperature == 1.0 else logits / _target_temperature
+    p = torch.softmax(scaled, dim=-1)
     return VerifierTargets(p=p, p_log_p=torch.special.xlogy(p, p).sum(-1),  # [1, T]; 0 where p underflows to 0
                            ids=torch.argmax(logits, dim=-1),
-                           log_p=torch.log_softmax(logits, dim=-1) if _loss in ("jsd", "rkl") else None)
+                           log_p=torch.log_softmax(scaled, dim=-1) if _loss in ("jsd", "rkl") else None)
 
 
 # The batch's, with a weak reference to the logits they come from: the forward passes the same

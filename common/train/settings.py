@@ -46,6 +46,9 @@ class TrainSettings:
                                "'kl' (forward KL, EAGLE-3's), 'tv' (total variation; acceptance = 1 - TV), 'lk' "
                                "(-log acceptance, LK^alpha of arXiv 2602.23881), 'lk-hybrid' (its LK^lambda: KL "
                                "blended into TV as acceptance grows), 'jsd' (Jensen-Shannon) or 'rkl' (reverse KL)")
+    target_temperature: float = _setting(1.0, "temperature of the target's distribution the draft learns, p = "
+                                              "softmax(logits / T): below 1 sharpens it toward the target's argmax, "
+                                              "the token vLLM's verifier accepts a greedy draft's proposal by")
     ttt_inputs: str = _setting("dataset", "what TTT step k+1 reads in training: 'dataset' (the data's next tokens, "
                                           "teacher-forced, as upstream speculators) or 'draft' (the draft's own "
                                           "guesses of step k, this project's behaviour before)")
@@ -106,6 +109,7 @@ class TrainSettings:
                  (f"--ttt-step-loss-decay {self.ttt_step_loss_decay}", self.ttt_step_loss_decay > 0, "positive"),
                  (f"--select-k {self.select_k}", self.select_k is None or self.select_k >= 1, "at least 1"),
                  (f"--loss {self.loss}", self.loss in LOSSES, f"one of {', '.join(LOSSES)}"),
+                 (f"--target-temperature {self.target_temperature}", self.target_temperature > 0, "positive"),
                  (f"--ttt-inputs {self.ttt_inputs}", self.ttt_inputs in TTT_INPUTS, f"one of {', '.join(TTT_INPUTS)}"),
                  (f"--optimizer {self.optimizer}", self.optimizer in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
                  (f"--init {self.init}", self.init in INITS, f"one of {', '.join(INITS)}"),

@@ -315,11 +315,14 @@ def reference_divergence(name: str, logits: torch.Tensor, targets: torch.Tensor)
     return m.entropy() - (p.entropy() + q.entropy()) / 2
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
 @pytest.mark.parametrize("loss", patch.LOSSES)
-def test_each_loss_is_its_definition_masked_decayed_and_differentiated(loss):
-    """Value and gradient of every TTT step's loss: the masked mean over tokens of the divergence,
-    times decay**step, with the targets shifted as the library aligns them."""
-    patch.apply(trust_remote_code=True, compile_forward=False, loss=loss)
+def test_each_loss_is_its_definition_masked_decayed_and_differentiated(loss, temperature):
+    """Value and gradient of every TTT step's loss: the masked mean over tokens of the divergence
+    to the target's distribution at `temperature` (softmax(logits / T)), times decay**step, with
+    the targets shifted as the library aligns them. The accuracies compare the draft's argmax
+    with the target's, which no temperature changes."""
+    patch.apply(trust_remote_code=True, compile_forward=False, loss=loss, target_temperature=temperature)
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(1, 30, 40, generator=g).mul(2).requires_grad_()
     targets = torch.randn(1, 30, 40, generator=g) * 3
@@ -327,7 +330,7 @@ def test_each_loss_is_its_definition_masked_decayed_and_differentiated(loss):
     for step in range(3):
         ours, metrics = patch.compute_metrics(logits, targets, mask, torch.ones(1, 30, dtype=torch.bool), step, 0.8)
         s_logits = logits[:, :30 - step]
-        per_token = reference_divergence(loss, s_logits, targets[:, step:])
+        per_token = reference_divergence(loss, s_logits, targets[:, step:] / temperature)
         s_mask = mask[:, step:]
         reference = 0.8**step * (per_token * s_mask).sum() / (s_mask.sum() + 1e-5)
         assert ours.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-7)
@@ -335,6 +338,23 @@ def test_each_loss_is_its_definition_masked_decayed_and_differentiated(loss):
         our_grad, = torch.autograd.grad(ours, logits)
         their_grad, = torch.autograd.grad(reference, logits)
         assert torch.allclose(our_grad, their_grad, rtol=1e-4, atol=1e-7), loss
+        agree = (s_logits.argmax(-1) == targets[:, step:].argmax(-1))[s_mask.bool()].float().mean()
+        assert metrics[f"full_acc_{step}"].item() == pytest.approx(agree.item(), abs=1e-5)
+
+
+def test_a_sharper_target_moves_the_draft_toward_the_target_s_argmax():
+    """At a temperature below 1 the KL target weighs the target's argmax more: the gradient step
+    raises the draft's probability of that token further than at temperature 1."""
+    targets = torch.log(torch.tensor([[[0.4, 0.35, 0.25]]]))
+    gains = {}
+    for temperature in (1.0, 0.5):
+        patch.apply(compile_forward=False, target_temperature=temperature)
+        logits = torch.zeros(1, 1, 3, requires_grad=True)
+        loss, _ = patch.compute_metrics(logits, targets, None, None, 0, 1.0)
+        grad, = torch.autograd.grad(loss, logits)
+        gains[temperature] = torch.softmax(logits - grad, -1)[0, 0, 0].item()
+    patch.apply(compile_forward=False)
+    assert gains[0.5] > gains[1.0] > 1 / 3
 
 
 def test_losses_aimed_at_acceptance_order_drafts_by_acceptance():
@@ -356,6 +376,10 @@ def test_an_unknown_loss_is_refused_and_compiled_kl_keeps_the_library_s():
         patch.apply(loss="ce")
     patch.apply(compile_forward=True, loss="tv")  # compiled with another loss: ours, which the compiler can trace
     assert eagle3_core.compute_metrics is patch.compute_metrics
+    patch.apply(compile_forward=True, target_temperature=0.5)  # the library's knows no temperature: ours
+    assert eagle3_core.compute_metrics is patch.compute_metrics
+    with pytest.raises(ValueError, match="target_temperature 0: must be positive"):
+        patch.apply(target_temperature=0)
     patch.apply(compile_forward=True)
     assert eagle3_core.compute_metrics is patch.ORIGINAL_COMPUTE_METRICS
 
@@ -365,7 +389,7 @@ def test_every_loss_compiles_in_one_graph(loss):
     """On GPUs the forward is compiled: every loss traces without a graph break (the per-batch cache
     is skipped under the compiler) and gives the eager value and gradient. aot_eager: dynamo and
     autograd's tracing without inductor's code generation, which a CPU test need not pay for."""
-    patch.apply(compile_forward=True, loss=loss)
+    patch.apply(compile_forward=True, loss=loss, target_temperature=0.7)
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(1, 20, 30, generator=g, requires_grad=True)
     targets, mask = torch.randn(1, 20, 30, generator=g), torch.ones(1, 20, dtype=torch.long)

@@ -46,6 +46,7 @@ def test_kimi_config_has_the_published_shape():
     ({"muon_lr": 0}, "--muon-lr 0: must be positive"),
     ({"loss": "ce"}, "--loss ce: must be one of kl, tv, lk, lk-hybrid, jsd, rkl"),
     ({"select_k": 0}, "--select-k 0: must be at least 1"),
+    ({"target_temperature": 0.0}, "--target-temperature 0.0: must be positive"),
     ({"freeze_draft_lm_head": 1}, "freeze_draft_lm_head = 1 is not of type <class 'bool'>"),
 ])
 def test_bad_training_values_are_refused(tmp_path, training, message):
