@@ -93,12 +93,13 @@ def apply(*, trust_remote_code: bool = False, compile_forward: bool = True, loss
     (Kimi-K2.5's is remote code); `compile_forward=False` runs the draft's forward eagerly;
     `loss` is the divergence the draft trains on (one of `LOSSES`, see `divergence`), toward the
     verifier's distribution at `target_temperature` (see `verifier_targets`)."""
-    global _loss, _target_temperature
+    global _loss, _target_temperature, _targets
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r}: expected one of {', '.join(LOSSES)}")
     if not target_temperature > 0:
         raise ValueError(f"target_temperature {target_temperature}: must be positive")
     _loss, _target_temperature = loss, float(target_temperature)
+    _targets = None  # made under the earlier choice
     library_loss = compile_forward and loss == "kl" and _target_temperature == 1.0
     Eagle3DraftModel._setup_embeddings_and_lm_heads = _make_setup(trust_remote_code)
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention_forward)
