@@ -355,13 +355,16 @@ def assert_same_training(data: Path, whole: str, resumed: str, last_epoch: int) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
-def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target, optimizer):
+@pytest.mark.parametrize("optimizer, temperature", [("muon", "0.7"), ("adamw", "1")])
+def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data, flat_target, optimizer, temperature):
     """Bitwise on CPU, with either optimizer: same batches, fp32 weights and optimizer state
-    (Muon's momentum, AdamW's moments and step count), the noise RNG restored."""
+    (Muon's momentum, AdamW's moments and step count), the noise RNG restored; the target's
+    temperature taken from the flag by both runs."""
     whole, killed = f"whole-{optimizer}", f"killed-{optimizer}"
-    extra = ("--epochs", "2", "--optimizer", optimizer)
-    assert f"recipe: {optimizer}" in run_script(SCRIPT, *small_args(small_data, flat_target, whole, *extra)).stdout
+    extra = ("--epochs", "2", "--optimizer", optimizer, "--target-temperature", temperature)
+    stdout = run_script(SCRIPT, *small_args(small_data, flat_target, whole, *extra)).stdout
+    assert f"recipe: {optimizer}" in stdout
+    assert ("kl loss to the target at temperature 0.7 over" in stdout) == (temperature == "0.7")
     script = [sys.executable, REPO_ROOT / SCRIPT]
     kill_after_step_checkpoint([*script, *small_args(small_data, flat_target, killed, *extra)],
                                small_data / killed / "checkpoints" / "steps")
