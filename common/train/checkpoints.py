@@ -39,6 +39,8 @@ SPLIT_BY_ROW_FORMAT = 2  # from this format on, the run split its data by prepar
 KEEP_STEP_CHECKPOINTS = 2
 # Training settings a resumed run may change: each takes effect from the resumed step.
 CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every", "select_k")  # select_k: which epoch is exported
+# Settings that checkpoints of earlier versions did not record, at the value those trained with.
+UNRECORDED = {"target_temperature": 1.0}
 
 
 def rng_file(rank: int) -> str:
@@ -147,16 +149,18 @@ def read_position(folder: Path) -> Position | None:
 def check_same_settings(point: ResumePoint, settings: dict) -> None:
     """A resumed run continues the checkpoint's training: a value that would change it from the
     resumed step on in a way no uninterrupted run does (learning rate, schedule, noise, packing,
-    split, seed, TTT) is refused, naming the flag and the checkpoint's value. More epochs, other
-    workers or another checkpoint interval take effect from the resumed step. Checkpoints of
-    earlier versions recorded no settings: nothing to compare."""
+    split, seed, TTT, the target's temperature) is refused, naming the flag and the checkpoint's
+    value. More epochs, other workers or another checkpoint interval take effect from the resumed
+    step. Checkpoints of earlier versions recorded no settings: nothing to compare; a setting
+    added since is compared with the value they trained with (`UNRECORDED`)."""
     path = point.folder / STATE_FILE
     saved = read_json(path).get("settings") if path.is_file() else None
     for key, value in settings.items():
-        if saved is None or key in CHANGEABLE_ON_RESUME or key not in saved or saved[key] == value:
+        trained = None if saved is None else saved.get(key, UNRECORDED.get(key))
+        if trained is None or key in CHANGEABLE_ON_RESUME or trained == value:
             continue
         raise PipelineError(f"--{key.replace('_', '-')} {value}: checkpoint {point.folder} was trained with "
-                            f"{key} {saved[key]}, which a resumed run keeps; resume with {key} {saved[key]} "
+                            f"{key} {trained}, which a resumed run keeps; resume with {key} {trained} "
                             "(drop the flag), or start over without --resume")
 
 

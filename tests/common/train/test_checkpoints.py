@@ -61,6 +61,19 @@ def test_checkpoint_of_the_listing_order_split_is_named_on_resume(tmp_path):
                                   "prepared row")
 
 
+def test_a_setting_an_earlier_checkpoint_did_not_record_is_compared_with_what_it_trained_with(tmp_path):
+    """Checkpoints from before --target-temperature trained at temperature 1: resuming one at another
+    temperature would change the run from that step on, so it is refused like any recorded setting."""
+    folder = write_position(tmp_path / "0", checkpoints.Position(0, 4, 4, True))
+    state = read_json(folder / checkpoints.STATE_FILE)
+    write_json(folder / checkpoints.STATE_FILE, state | {"settings": {"lr": 0.018, "epochs": 4}})
+    point = checkpoints.ResumePoint(folder, checkpoints.read_position(folder))
+    checkpoints.check_same_settings(point, {"lr": 0.018, "epochs": 6, "target_temperature": 1.0, "new_key": 3})
+    with pytest.raises(PipelineError, match=r"--target-temperature 0\.5: checkpoint .*0 was trained with "
+                                            r"target_temperature 1\.0, which a resumed run keeps"):
+        checkpoints.check_same_settings(point, {"lr": 0.018, "target_temperature": 0.5})
+
+
 def test_rng_state_round_trip(tmp_path):
     write_position(tmp_path / "c", checkpoints.Position(0, 1, 1, False))
     expected = torch.rand(3), random.random(), np.random.rand()
