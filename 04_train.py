@@ -234,7 +234,8 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
         say(f"recipe: {settings.optimizer}" + (f" (Muon lr {settings.muon_lr or settings.lr:g}, AdamW lr {settings.lr:g})"
                                                  if settings.optimizer == "muon" else f" (lr {settings.lr:g})")
             + f", {settings.loss} loss" + (f" to the target at temperature {settings.target_temperature:g}"
-                                             if settings.target_temperature != 1.0 else "") + " over {settings.ttt_steps} TTT steps (decay {settings.ttt_step_loss_decay:g}) fed "
+                                             if settings.target_temperature != 1.0 else "")
+            + f" over {settings.ttt_steps} TTT steps (decay {settings.ttt_step_loss_decay:g}) fed "
             f"the {'dataset' if settings.ttt_inputs == 'dataset' else 'draft'}'s tokens, init "
             f"{settings.init}, draft lm_head {'frozen' if settings.freeze_draft_lm_head else 'trained'}; "
             f"chosen and exported for k = {settings.served_k}"
