@@ -250,9 +250,12 @@ def test_exported_draft_reloads_with_the_same_validation_metrics(trained):
     cpu = torch.device("cpu")
     report = json.loads((trained.run / "train_report.json").read_text())
     best = report["best_validation"]
+    draft = load_draft(trained.run / "draft", trust_remote_code=True)
+    # the validation loss is the trained one: toward the target at the config's temperature (after
+    # load_draft, which installs the patch with its defaults)
+    patch.apply(trust_remote_code=True, compile_forward=False, target_temperature=val.settings.target_temperature)
     # The pass of the exported checkpoint's epoch: the packing, and so the mean over batches, follows the epoch.
-    reloaded = validation_metrics(load_draft(trained.run / "draft", trust_remote_code=True), val.loader, cpu,
-                                  val.settings.call_kwargs(), epoch=best["epoch"])
+    reloaded = validation_metrics(draft, val.loader, cpu, val.settings.call_kwargs(), epoch=best["epoch"])
 
     # the exported checkpoint (the best by validation simulated acceptance length, saved in fp32), built
     # the library's way
