@@ -2,8 +2,8 @@
 against upstream speculators 0.9.0's own trainer, at one or several k.
 
     python bench/bench_04_recipe.py [--run-dir runs/bench-recipe] [--target flat|kimi|DIR] [--max-prompts 58]
-        [--variants defaults,loss-lk,...,upstream-31-head] [--seeds 0 1 2] [--ks 3 5 8] [--lr RATE] [--epochs N]
-        [--no-vllm] [--control] [--table-only]
+        [--max-new-tokens 64] [--variants defaults,loss-lk,...,upstream-31-head] [--seeds 0 1 2] [--ks 3 5 8]
+        [--lr RATE] [--epochs N] [--no-vllm] [--control] [--table-only]
     # flat miniature: about 5 minutes per variant and seed on 2 quiet CPU cores at one k (04 3, 05 1, vLLM 1-2),
     # about 4 more per further k with vLLM; figures in RUN_DIR/bench_recipe.json
 
@@ -12,10 +12,10 @@ against upstream speculators 0.9.0's own trainer, at one or several k.
 2. Per variant, 04 into RUN_DIR/<variant>/ with configs/draft_tiny.json's budget (4 epochs, lr 1.8e-2,
    3 TTT steps, linear schedule, 1% warm-up) and the variant's flags (and draft shape: `SHAPE_CHANGES`),
    then 05 on its exported draft: the held-out first turns (`--max-prompts`, 04's 58 validation rows),
-   64 new tokens, greedy, at each k of `--ks` (default 3), with vLLM too (`--engine vllm`) when
-   .venv-vllm exists and `--no-vllm` is not given. A variant whose figures for these k and engine
-   exist (RUN_DIR/<variant>/eval_k3-5-8_vllm.json) is not run again; one trained before is only
-   measured (delete the folder to redo it).
+   `--max-new-tokens` (64) each, greedy, at each k of `--ks` (default 3), with vLLM too (`--engine vllm`)
+   when .venv-vllm exists and `--no-vllm` is not given. A variant whose figures for these k, length and
+   engine exist (RUN_DIR/<variant>/eval_k3-5-8_vllm.json; eval_k3-5-8_t256_vllm.json at 256 tokens) is
+   not run again; one trained before is only measured (delete the folder to redo it).
 3. A table per k, side by side: 05's measured acceptance length and per-position acceptance rates,
    vLLM's, and 05's simulated acceptance length over the held-out rows (04's validation measure).
 
@@ -110,6 +110,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
 # Variants trained with a draft shape other than configs/draft_tiny.json's: its `model` section changed so.
 SHAPE_CHANGES = {"eagle31": {"norm_before_fc": True, "norm_output": True},
                  "eagle31-lk-ttt7": {"norm_before_fc": True, "norm_output": True}}
+DEFAULT_NEW_TOKENS = 64  # 05's own default
 CONTROL = ("control: defaults, noise 0.049", ("--noise-std", "0.049"))
 ALL_VARIANTS = VARIANTS | upstream.VARIANTS  # then speculators 0.9.0's own trainer (bench/upstream_speculators.py)
 
@@ -203,19 +204,35 @@ def draft_config(run_dir: Path, name: str) -> Path:
     return path
 
 
-def eval_file(run_dir: Path, name: str, seed: int, ks: list[int], vllm: bool) -> Path:
-    """Where 05's figures of a run at these k, with or without vLLM, go."""
-    return run_dir / folder(name, seed) / f"eval_k{'-'.join(map(str, ks))}{'_vllm' if vllm else ''}.json"
+@dataclass
+class Measurement:
+    """How 05 measures every draft: at these k, on the first `max_prompts` held-out prompts, up to
+    `max_new_tokens` each, with vLLM too or not."""
+    ks: list[int]
+    vllm: bool
+    max_prompts: int
+    max_new_tokens: int
+
+    def file(self, run_dir: Path, name: str, seed: int) -> Path:
+        """Where 05's figures of a run go (the default length unnamed, as files before the option)."""
+        length = "" if self.max_new_tokens == DEFAULT_NEW_TOKENS else f"_t{self.max_new_tokens}"
+        return (run_dir / folder(name, seed) /
+                f"eval_k{'-'.join(map(str, self.ks))}{length}{'_vllm' if self.vllm else ''}.json")
+
+    def args(self) -> list[str]:
+        """05's flags for it."""
+        return ["--max-prompts", str(self.max_prompts), "--max-new-tokens", str(self.max_new_tokens),
+                "--num-speculative-tokens", *map(str, self.ks), *(["--engine", "vllm"] if self.vllm else [])]
 
 
 def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: tuple[str, ...],
-                      max_prompts: int, vllm: bool, budget: Budget, ks: list[int]) -> Path:
+                      budget: Budget, measure: Measurement) -> Path:
     out = run_dir / folder(name, seed)
-    result = eval_file(run_dir, name, seed, ks, vllm)
+    result = measure.file(run_dir, name, seed)
     if result.is_file():
         return result
     if (out / "draft" / "config.json").is_file():
-        print(f"{out.name}: trained before; measured at k = {', '.join(map(str, ks))}", flush=True)
+        print(f"{out.name}: trained before; measured at k = {', '.join(map(str, measure.ks))}", flush=True)
     elif name in upstream.VARIANTS:
         upstream.train_and_export(run_dir, target, out, flags, seed, budget.lr, budget.epochs)
     else:
@@ -225,10 +242,9 @@ def train_and_measure(run_dir: Path, target: Path, name: str, seed: int, flags: 
               flush=True)
         run("04_train.py", "--run-dir", run_dir, *target_args(target), "--draft-config", draft_config(run_dir, name),
             "--output", out, *flags, "--seed", str(seed))
-    engine = ["--engine", "vllm"] if vllm else []
     partial = result.with_suffix(".partial.json")
     run("05_evaluate.py", "--run-dir", run_dir, *target_args(target), "--draft", out / "draft", "--no-baselines",
-        "--max-prompts", str(max_prompts), "--num-speculative-tokens", *map(str, ks), *engine, "--json", partial)
+        *measure.args(), "--json", partial)
     partial.replace(result)
     return result
 
@@ -252,6 +268,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench-recipe")
     parser.add_argument("--target", default="flat", help="flat, kimi (the miniatures) or a target folder")
     parser.add_argument("--max-prompts", type=int, default=58, help="held-out prompts 05 decodes")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                        help="05's tokens per prompt (more: a larger measured sample of the target's text)")
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS),
                         help=f"comma-separated, of {', '.join(ALL_VARIANTS)} (upstream-*: with .venv-speculators/)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
@@ -278,23 +296,24 @@ def main() -> int:
     if not upstream.available() and not args.table_only and any(v in upstream.VARIANTS for v in chosen):
         print(upstream.missing_message())
         chosen = {v: c for v, c in chosen.items() if v not in upstream.VARIANTS}
-    vllm = DEFAULT_VLLM_PYTHON.is_file() and not args.no_vllm
+    measure = Measurement(args.ks, DEFAULT_VLLM_PYTHON.is_file() and not args.no_vllm, args.max_prompts,
+                          args.max_new_tokens)
     if not args.table_only:
         prepare(args.run_dir, target)
     paths: dict[str, list[tuple[int, Path]]] = {}
     for name, (_label, flags) in chosen.items():
         for seed in args.seeds:
-            path = eval_file(args.run_dir, name, seed, args.ks, vllm)
+            path = measure.file(args.run_dir, name, seed)
             if not args.table_only:
-                path = train_and_measure(args.run_dir, target, name, seed, flags, args.max_prompts, vllm,
-                                         Budget(args.lr, args.epochs), args.ks)
+                path = train_and_measure(args.run_dir, target, name, seed, flags, Budget(args.lr, args.epochs),
+                                         measure)
             if path.is_file():
                 paths.setdefault(name, []).append((seed, path))
     by_k = {k: [Result.mean([Result.read(chosen[name][0], path, seed, k) for seed, path in runs])
                 for name, runs in paths.items()] for k in args.ks}
     for k, results in by_k.items():
-        print(f"target {target}, {args.run_dir}; k = {k}, greedy, {args.max_prompts} held-out prompts, 64 new "
-              f"tokens; mean over seeds {' '.join(map(str, args.seeds))}")
+        print(f"target {target}, {args.run_dir}; k = {k}, greedy, {args.max_prompts} held-out prompts, "
+              f"{args.max_new_tokens} new tokens; mean over seeds {' '.join(map(str, args.seeds))}")
         print(table(results))
     write_json(args.run_dir / "bench_recipe.json",
                {"target": str(target), "results": [vars(r) for r in by_k[args.ks[0]]],
