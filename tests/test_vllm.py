@@ -1,8 +1,8 @@
 """`--engine vllm` at both ends, with vLLM's CPU build from .venv-vllm (scripts/setup_vllm_env.sh).
 
 On the flat miniature: 02's vLLM files equal the HF engine's within bf16 tolerance, and resume
-keeps them; 05 serves two trained drafts (one with EAGLE-3.1's norms) in fp32 on MT-Bench-format
-prompts, vLLM's output is the same with and without speculation at temperature 0 and equals 05's
+keeps them; 05 serves two trained drafts (one with EAGLE-3.1's norms over the target's whole
+vocabulary) in fp32 on MT-Bench-format prompts, vLLM's output is the same with and without speculation at temperature 0 and equals 05's
 own, and its acceptance length equals 05's within 1%. On the Kimi-style miniature with bf16 experts (MLA, DeepSeek-V3 MoE,
 nested multimodal config): 02's vLLM states lie within HF's own bf16 spread, and 00 through the
 worker and through `vllm serve` regenerates the HF engine's turns. Bad input (no or an old vLLM, a
@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_same_turns, descendants, read_regenerated, run_in_process, run_script, vllm_server
+from safetensors import safe_open
 
 from common.defaults import REPO_ROOT
 from common.hidden_states.vllm_states import rms_norm
@@ -39,6 +40,7 @@ from common.vllm.client import _log_cause
 
 pytestmark = [pytest.mark.vllm]
 K = 3
+FLAT_VOCAB = 4096  # the flat miniature's vocabulary
 ENV = {"OMP_NUM_THREADS": "1"}  # much faster than 2 threads on a shared 2-core machine
 # In bf16 05's decoder and vLLM break near-ties of the draft's (and the target's) two best tokens
 # differently (seen: 5.6% apart in acceptance length, 1 output of 6 different); in fp32 there are
@@ -51,8 +53,9 @@ MT_BENCH = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku 
 
 @pytest.fixture(scope="module")
 def flat_run(tmp_path_factory, flat_target, demo_conversations, vllm_python) -> Path:
-    """01 -> 04 on the flat miniature with the HF engine: prepared data, HF states, a draft
-    trained 10 epochs (RUN/draft) and one with EAGLE-3.1's norms trained 3 epochs (RUN/eagle31/draft)."""
+    """01 -> 04 on the flat miniature with the HF engine: prepared data, HF states, a draft over 1,024
+    ids trained 10 epochs (RUN/draft) and one with EAGLE-3.1's norms over the target's whole vocabulary
+    (03's identity map, exported without d2t) trained 3 epochs (RUN/eagle31/draft)."""
     run = tmp_path_factory.mktemp("vllm_run")
     common = ["--run-dir", run, "--target", flat_target]
     run_in_process("01_prepare_data.py", *common, "--input", demo_conversations, "--max-samples", "12", check=True)
@@ -63,8 +66,10 @@ def flat_run(tmp_path_factory, flat_target, demo_conversations, vllm_python) -> 
     eagle31 = json.loads((REPO_ROOT / "configs" / "draft_tiny.json").read_text())
     eagle31["model"].update(norm_before_fc=True, norm_output=True)
     (run / "draft_eagle31.json").write_text(json.dumps(eagle31))
+    run_in_process("03_build_vocab_map.py", *common, "--draft-vocab-size", str(FLAT_VOCAB), "--output",
+                   run / "vocab_whole", check=True)
     run_in_process("04_train.py", *common, "--draft-config", run / "draft_eagle31.json", "--lr", "0.01",
-                   "--epochs", "3", "--output", run / "eagle31", check=True)
+                   "--epochs", "3", "--vocab", run / "vocab_whole", "--output", run / "eagle31", check=True)
     return run
 
 
@@ -120,8 +125,9 @@ def test_served_acceptance_equals_05s_own(flat_run, flat_target, demo_conversati
     """In fp32 (05's own decoder and vLLM) on MT-Bench-format prompts (two turns, the second after
     the target's first answer): vLLM's output with each draft equals plain vLLM greedy and 05's
     own output token for token, its acceptance length equals 05's within 1% and its acceptance
-    rate at each draft position equals 05's, also for the draft with EAGLE-3.1's norms (vLLM loads
-    its `input_norm` and flags and serves it as 04 and 05 compute it). The demo conversations are a
+    rate at each draft position equals 05's, also for the draft with EAGLE-3.1's norms over the whole
+    vocabulary (vLLM loads its `input_norm` and flags and serves it as 04 and 05 compute it, and loads
+    its weights, which hold no `d2t`, as its loader requires of such a draft). The demo conversations are a
     second prompt set, for more acceptances beyond the first position. (These weakly trained norms
     are near 1, where `norm_output` changes few proposals: drafts upstream trained with them are
     served by both in bench/bench_04_recipe.py.)"""
@@ -136,6 +142,10 @@ def test_served_acceptance_equals_05s_own(flat_run, flat_target, demo_conversati
     assert "draft (vLLM)" in proc.stdout and "reference (vLLM)" in proc.stdout
     data = json.loads(report.read_text())
     assert data["engine"] == "vllm" and data["dtype"] == "float32" and data["prompts"] >= 2 * len(MT_BENCH) + 10
+    whole = flat_run / "eagle31" / "draft"
+    assert json.loads((whole / "config.json").read_text())["draft_vocab_size"] == FLAT_VOCAB
+    with safe_open(str(whole / "model.safetensors"), "pt") as f:
+        assert "d2t" not in f.keys() and "t2d" not in f.keys()
     for draft in data["drafts"]:
         served = draft["vllm"]
         assert served["num_drafts"] > 0 and len(served["acceptance_rate_per_position"]) == K

@@ -14,7 +14,9 @@ The exported folder is speculators' format as vLLM reads it: `config.json`
 target's path and architecture, and EAGLE-3.1's `norm_before_fc` / `norm_output`) and
 `model.safetensors` in bf16 with `d2t`/`t2d` (and `input_norm.weight` with `norm_before_fc`) and
 without `verifier_lm_head` (a frozen copy of the target's lm_head rows, used only to make training
-targets). speculators 0.3.0's `Eagle3DraftModel.from_pretrained` fails on such a folder
+targets). A draft that predicts the target's whole vocabulary (03's identity map) is written without
+`d2t`/`t2d`, as speculators 0.9.0 writes one: vLLM's EAGLE-3 loader has no parameter for `d2t` when
+the two vocabularies are the same size and refuses a draft that carries it. speculators 0.3.0's `Eagle3DraftModel.from_pretrained` fails on such a folder
 (`unexpected keyword argument 'verifier'`), so `load_draft` builds the model itself.
 """
 
@@ -49,6 +51,7 @@ CONFIG_SECTIONS = ("comment", "model", "training")
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_DTYPE = torch.bfloat16
 NOT_EXPORTED = ("verifier_lm_head.weight",)
+VOCAB_MAPS = ("t2d", "d2t")  # written only when the draft vocabulary is smaller than the target's
 # Fields that must agree between a checkpoint and the run resuming from it.
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "vocab_size", "rms_norm_eps",
@@ -219,8 +222,9 @@ def export_draft(checkpoint: str | Path, config: Eagle3SpeculatorConfig, out_dir
     rather than from the model in memory works the same after single-process and FSDP runs."""
     checkpoint = Path(checkpoint)
     state = load_file(str(checkpoint / WEIGHTS_FILE))
+    dropped = NOT_EXPORTED + (VOCAB_MAPS if whole_vocabulary(config) else ())
     state = {k: (v.to(EXPORT_DTYPE) if v.is_floating_point() else v).contiguous()
-             for k, v in state.items() if k not in NOT_EXPORTED}
+             for k, v in state.items() if k not in dropped}
     config = copy.deepcopy(config)
     config.dtype = EXPORT_DTYPE
 
@@ -232,6 +236,17 @@ def export_draft(checkpoint: str | Path, config: Eagle3SpeculatorConfig, out_dir
 
     write_dir(out_dir, fill)
     return Path(out_dir)
+
+
+def whole_vocabulary(config: Eagle3SpeculatorConfig) -> bool:
+    """Whether the draft predicts the target's whole vocabulary (03's identity map): vLLM's
+    condition for serving it without `d2t` (`draft_vocab_size == vocab_size`)."""
+    return config.draft_vocab_size == config.transformer_layer_config.vocab_size
+
+
+def identity_maps(vocab_size: int) -> dict[str, torch.Tensor]:
+    """`t2d`/`d2t` of a draft vocabulary that is the target's whole one (`common.vocab`'s layout)."""
+    return {"t2d": torch.ones(vocab_size, dtype=torch.bool), "d2t": torch.zeros(vocab_size, dtype=torch.long)}
 
 
 def load_draft(path: str | Path, *, target: str | Path | None = None, trust_remote_code: bool = False,
@@ -248,8 +263,12 @@ def load_draft(path: str | Path, *, target: str | Path | None = None, trust_remo
     if target is not None:
         config.speculators_config.verifier.name_or_path = str(Path(target).resolve())
     state = load_file(str(path / WEIGHTS_FILE))
-    if "t2d" not in state or "d2t" not in state:
-        raise PipelineError(f"draft {path}: {WEIGHTS_FILE} holds no t2d/d2t vocabulary maps")
+    if not any(k in state for k in VOCAB_MAPS) and whole_vocabulary(config):
+        state |= identity_maps(config.draft_vocab_size)
+    if not all(k in state for k in VOCAB_MAPS):
+        raise PipelineError(f"draft {path}: {WEIGHTS_FILE} holds no t2d/d2t vocabulary maps, which a draft "
+                            f"vocabulary of {config.draft_vocab_size:,} of the target's "
+                            f"{config.transformer_layer_config.vocab_size:,} ids needs")
     patch.apply(trust_remote_code=trust_remote_code, compile_forward=torch.device(device).type == "cuda")
     model = build_draft(config, state["t2d"], state["d2t"])
     result = model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
