@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,6 +156,26 @@ def test_demo_agentic_data_is_clean_and_agentic(demo_conversations):
         assert {call.name for m in c.messages for call in m.tool_calls} <= {t["function"]["name"] for t in c.tools}
     assert 0.4 <= len(with_tools) / len(conversations) <= 0.7
     assert all(any(m.reasoning for m in c.messages) for c in conversations)
+
+
+def test_qwen3s_template_keeps_every_tool_calling_conversation(flat_target, demo_conversations, tmp_path):
+    """The demo's agentic data under Qwen3's own chat template (tests/data/): its tool-call turns
+    have empty content, which the template tests for; every conversation is kept and every call
+    supervised. The reasoning the template drops (turns before the last user message) is counted."""
+    target = tmp_path / "qwen3-template"
+    target.mkdir()
+    for f in flat_target.iterdir():
+        if f.suffix == ".safetensors":
+            (target / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, target / f.name)
+    shutil.copy(REPO_ROOT / "tests" / "data" / "qwen3_chat_template.jinja", target / "chat_template.jinja")
+    report = _prepare(target, [demo_conversations.parent / "demo_agentic.jsonl"], tmp_path / "prepared")
+    assert (report.samples_read, report.samples_kept, report.dropped) == (180, 180, {})
+    assert (report.tool_calls, report.tool_calls_not_rendered, report.unlocated_turns) == (123, 0, 0)
+    assert (report.supervised_turns, report.reasoning_turns, report.stripped_turns) == (275, 270, 71)
+    assert warning_lines(report) == ["warning: 71 assistant turn(s) not supervised: the chat template drops their "
+                                     "reasoning (an emptied think block is not what the model generated)"]
 
 
 # --- the script --------------------------------------------------------------------------------

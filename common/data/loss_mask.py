@@ -16,6 +16,14 @@ context, which Kimi would not (a context difference accepted for linear cost). A
 reasoning the template still drops (a template without such a switch) is not supervised and is
 counted (`Rendering.stripped_turns`): an emptied think block is never trained on silently.
 
+Empty strings. A template may test a string for emptiness (Qwen3 writes a newline before a tool
+call only after non-empty content, and its think block only for non-empty reasoning), and a
+sentinel is never empty. Such a template is detected by the first conversation whose sentinel
+rendering then cannot be aligned; from there empty strings are left as they are. A turn with no
+string of its own left to locate (empty content, no reasoning, tool calls whose arguments the
+template renders from objects and whose ids it leaves out) cannot be placed: it is not supervised
+and is counted (`Rendering.unlocated_turns`).
+
 No offset mapping is needed (Kimi's tokenizer is a slow tiktoken one without them), and nothing
 is specific to one model; everything is read off the template's own output:
 
@@ -113,6 +121,7 @@ class Rendering:
     stripped_turns: int = 0  # turns with reasoning the template dropped: not supervised
     tool_calls: int = 0  # tool calls of supervised turns
     tool_calls_not_rendered: int = 0  # ... that the template does not render
+    unlocated_turns: int = 0  # turns with no string of theirs in the text (see `render`): not supervised
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,6 +169,7 @@ class ChatMasker:
         self._prefix_ids: dict[str, list[int]] = {}
         self._skeletons: dict[str, str] = {}
         self._marks_calls = True  # tool-call ids and string arguments become sentinels (`_place`)
+        self._marks_empty = True  # empty strings become sentinels too (`render`)
         try:
             self.header = self._assistant_header()
             self.prompts = self._generation_prompts()
@@ -202,11 +212,26 @@ class ChatMasker:
         return rendering.text, rendering.spans
 
     def render(self, messages: Sequence[Message], tools: list | None = None) -> Rendering:
+        try:
+            return self._render_marked(messages, tools, self._marks_empty)
+        except MaskError:
+            if not (self._marks_empty and any(_empty_strings(m.to_template()) for m in messages)):
+                raise
+        # A template that tests a string for emptiness (Qwen3: `{% if content %}` before a tool call,
+        # `{% if reasoning_content %}`) renders an empty string's sentinel, which is not empty, unlike
+        # the string itself. From here empty strings stay empty: there is nothing in them to locate.
+        rendering = self._render_marked(messages, tools, marks_empty=False)
+        self._marks_empty = False
+        return rendering
+
+    def _render_marked(self, messages: Sequence[Message], tools: list | None, marks_empty: bool) -> Rendering:
         values: list[str] = []
         owners: list[tuple[int, str]] = []  # value index -> (message index, field)
         real, calls_real, marked = [], [], []
 
         def sentinel(value: str, j: int, name: str) -> str:
+            if not (value or marks_empty):
+                return value
             values.append(value)
             owners.append((j, name))
             return SENTINEL.format(len(values) - 1)
@@ -232,17 +257,19 @@ class ChatMasker:
             by_message.setdefault(j, []).append(i)
             if name == "reasoning_content":
                 reasoning_placed.add(j)
-        spans, reasoning, stripped, calls = [], 0, 0, 0
+        spans, reasoning, stripped, unlocated, calls = [], 0, 0, 0, 0
         for j, m in enumerate(messages):
-            if m.role != "assistant" or j not in by_message:
+            if m.role != "assistant":
                 continue
             if m.reasoning is not None and j not in reasoning_placed:
                 stripped += 1  # an emptied think block: not what the model generated for this turn
-                continue
-            spans.append(self._span(text, placed, by_message[j]))
-            reasoning += m.reasoning is not None
-            calls += len(m.tool_calls)
-        return Rendering(text, spans, reasoning, stripped, calls, 0 if self.renders_tool_calls else calls)
+            elif j not in by_message:
+                unlocated += 1  # no string of its own in the text to place its span by
+            else:
+                spans.append(self._span(text, placed, by_message[j]))
+                reasoning += m.reasoning is not None
+                calls += len(m.tool_calls)
+        return Rendering(text, spans, reasoning, stripped, calls, 0 if self.renders_tool_calls else calls, unlocated)
 
     def _place(self, marked: list[dict], calls_real: list[dict], tools: list | None, text: str,
                values: list[str]) -> list[tuple[int, int, int]]:
@@ -442,6 +469,13 @@ class _Spans:
     def edges_between(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Whether a span edge lies strictly inside each interval (starts[k], ends[k])."""
         return np.searchsorted(self.edges, ends, side="left") > np.searchsorted(self.edges, starts, side="right")
+
+
+def _empty_strings(message: dict) -> bool:
+    """Whether a template message holds an empty string that `render` would mark."""
+    calls = message.get("tool_calls") or []
+    return any(message.get(k) == "" for k in ("content", "reasoning_content", "tool_call_id")) or any(
+        c.get("id") == "" or c["function"]["arguments"] == "" for c in calls)
 
 
 def _marked_call(call: dict, sentinel) -> dict:

@@ -59,7 +59,8 @@ READ_FIELDS = ("samples_read", "media_parts_dropped", "tool_calls_skipped", "too
 # write and to turn back into Python than the JSON does, a tenth of the stage's time.
 CONVERSATION_FEATURES = Features({"sample_id": Value("string"), "conversation": Value("string")})
 # Per-sample counts of what the supervised turns hold, summed into the report.
-TURN_COUNTS = ("supervised_turns", "reasoning_turns", "stripped_turns", "tool_calls", "tool_calls_not_rendered")
+TURN_COUNTS = ("supervised_turns", "reasoning_turns", "stripped_turns", "tool_calls", "tool_calls_not_rendered",
+               "unlocated_turns")
 # The prepared columns, then per-sample bookkeeping that `_account` reads and drops.
 ENCODED_FEATURES = Features({
     "sample_id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("int8")),
@@ -277,7 +278,7 @@ def _encode_batch(batch: dict, masker: ChatMasker, max_len: int) -> dict:
             ids, mask, r = encoded.ids, encoded.mask, encoded.rendering
             counts = {"supervised_turns": len(r.spans), "reasoning_turns": r.reasoning_turns,
                       "stripped_turns": r.stripped_turns, "tool_calls": r.tool_calls,
-                      "tool_calls_not_rendered": r.tool_calls_not_rendered}
+                      "tool_calls_not_rendered": r.tool_calls_not_rendered, "unlocated_turns": r.unlocated_turns}
             if not mask.any():
                 raise MaskError(NO_SUPERVISED_TOKENS, "the template renders no assistant turn")
             if len(ids) > max_len:
@@ -378,6 +379,10 @@ def warning_lines(report: PrepareReport) -> list[str]:
     if report.stripped_turns:
         lines.append(f"warning: {report.stripped_turns:,} assistant turn(s) not supervised: the chat template drops "
                      "their reasoning (an emptied think block is not what the model generated)")
+    if report.unlocated_turns:
+        lines.append(f"warning: {report.unlocated_turns:,} assistant turn(s) not supervised: nothing of theirs can be "
+                     "located in the rendering (empty content, no reasoning, and tool calls the chat template "
+                     "renders from objects)")
     if report.tool_calls_not_rendered:
         lines.append(f"warning: {report.tool_calls_not_rendered:,} tool call(s) of supervised turns are not in the "
                      "text: the chat template does not render tool calls")

@@ -53,6 +53,7 @@ class PrepareReport:
     stripped_turns: int = 0  # turns with reasoning the template dropped: not supervised
     tool_calls: int = 0  # tool calls in supervised turns
     tool_calls_not_rendered: int = 0  # ... that the template leaves out of the text
+    unlocated_turns: int = 0  # turns with no string of theirs in the text to place them by: not supervised
     tool_calls_skipped: dict[str, int] = field(default_factory=dict)  # malformed calls skipped, by reason
     tool_call_examples: dict[str, str] = field(default_factory=dict)  # reason -> first sample
     media_parts_dropped: int = 0  # image/audio/video content parts left out of the text (all read)

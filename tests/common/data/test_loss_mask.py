@@ -195,6 +195,48 @@ def test_kimi_template_without_the_switch_empties_history(kimi_target):
         '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
 
 
+# Qwen3's own chat template, as Qwen/Qwen3-8B's tokenizer_config.json ships it: it tests strings for
+# emptiness (a newline before a tool call only after non-empty content) and renders the reasoning of
+# the turns after the last user query only.
+QWEN3_TEMPLATE = Path(__file__).parents[2] / "data" / "qwen3_chat_template.jinja"
+OBJECT_CALL = ToolCall("call_1", "get_weather", '{"city": "Rome"}', arguments_is_object=True)
+
+
+def test_a_template_that_tests_strings_for_emptiness(flat_target):
+    """Qwen3's template: a tool-call turn with empty content is supervised from its think block
+    through `<|im_end|>`, with no newline before the call (a sentinel for the empty content would
+    have rendered one); the masker leaves empty strings as they are from then on."""
+    tok = _variant(flat_target, QWEN3_TEMPLATE.read_text())
+    masker = ChatMasker(tok)
+    encoded = masker.encode(TOOL_TURNS, TOOLS)
+    prompt = tok.apply_chat_template([TOOL_TURNS[0].to_template()], tools=TOOLS, tokenize=False,
+                                     add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    ids, mask = expected(tok, [
+        (prompt, 0),
+        ('<think>\nNeed the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+         "\n</tool_call><|im_end|>", 1),
+        ('\n<|im_start|>user\n<tool_response>\n{"temp": 14}\n</tool_response><|im_end|>\n<|im_start|>assistant\n', 0),
+        ("<think>\nReport it.\n</think>\n\n14 °C in Paris.<|im_end|>", 1), ("\n", 0)])
+    assert (encoded.input_ids, encoded.loss_mask) == (ids, mask)
+    assert (encoded.rendering.reasoning_turns, encoded.rendering.tool_calls, encoded.rendering.stripped_turns) == (2, 1, 0)
+    assert not masker._marks_empty
+
+
+def test_turns_a_template_leaves_nothing_of_are_counted(flat_target):
+    """Under Qwen3's template: the first answer's reasoning is dropped (it comes before the last user
+    query), and a turn of empty content, no reasoning and a call with object arguments has no string
+    left to place it by. Neither is supervised; each is counted; the last answer is supervised."""
+    tok = _variant(flat_target, QWEN3_TEMPLATE.read_text())
+    turns = (U, A_THINK, U2, Message("assistant", "", tool_calls=(OBJECT_CALL,)),
+             Message("tool", '{"temp": 19}', tool_call_id=OBJECT_CALL.id), Message("assistant", "19 °C in Rome."))
+    encoded = ChatMasker(tok).encode(turns, TOOLS)
+    r = encoded.rendering
+    assert (r.stripped_turns, r.unlocated_turns, len(r.spans), r.tool_calls) == (1, 1, 1, 0)
+    assert r.text[slice(*r.spans[0])] == "19 °C in Rome.<|im_end|>"
+    assert tok.decode([i for i, m in zip(encoded.input_ids, encoded.loss_mask) if m]) == "19 °C in Rome.<|im_end|>"
+
+
 def _variant(flat_target: Path, template: str | None):
     tok = AutoTokenizer.from_pretrained(flat_target)
     tok.chat_template = template
