@@ -39,7 +39,7 @@ from common.draft import patch
 from common.draft.model import load_draft
 from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
-from common.evaluate.decoding import SamplingParams
+from common.evaluate.decoding import DRAFT_SAMPLING, SamplingParams
 from common.evaluate.measure import (
     BASELINES,
     HeldOut,
@@ -69,7 +69,7 @@ from common.hidden_states.loader import load_hidden_states
 from common.target.config import TargetInfo, load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer
-from common.vllm.client import EngineSettings
+from common.vllm.client import EngineSettings, check_sampled_speculation, vllm_device
 
 MODES = {"on": True, "off": False}
 
@@ -109,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="0: greedy, checked identical to plain greedy decoding (default without --thinking);"
                                " > 0: speculative sampling")
     decoding.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
+    decoding.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default="greedy",
+                          help="when sampling, how a draft proposes (vLLM's draft_sample_method, passed to it with "
+                               "--engine vllm): 'greedy' its argmax, accepted with the target's probability of it "
+                               "(vLLM's default), or 'probabilistic' sampled from its own distribution q, accepted "
+                               "with min(1, p/q) (default: %(default)s)")
     decoding.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     decoding.add_argument("--no-baselines", action="store_true",
                           help="skip the n-gram and untrained-draft baselines")
@@ -142,6 +147,9 @@ def check_args(args: argparse.Namespace) -> None:
     greedy = args.temperature == 0.0 or (args.temperature is None and args.thinking is None)
     if args.top_p < 1.0 and greedy:
         raise PipelineError(f"--top-p {args.top_p} needs --temperature > 0 (greedy ignores it)")
+    if args.draft_sampling != "greedy" and greedy:
+        raise PipelineError(f"--draft-sampling {args.draft_sampling} needs --temperature > 0 (greedy decoding "
+                            "proposes the draft's argmax)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +174,9 @@ def evaluate(args: argparse.Namespace) -> int:
         check_draft(folder, info)
     sets = read_prompt_sets(args.prompts, args.prompts_format, args.max_prompts) if args.prompts else None
     thinking, temperature = decoding_mode(tokenizer, MODES.get(args.thinking), args.temperature)
-    sampling = SamplingParams(temperature, args.top_p)
+    sampling = SamplingParams(temperature, args.top_p, args.draft_sampling)
+    if runtime.vllm:
+        check_sampled_speculation(vllm_device(), temperature)
 
     # 2. held-out samples: hidden states (optional unless named) and, without --prompts, prompts
     data_dir = stage_dir(args, "hidden_states", args.data)
@@ -200,7 +210,8 @@ def evaluate(args: argparse.Namespace) -> int:
         model = load_text_model(info, dtype, runtime.device, runtime.device_map, runtime.max_memory,
                                 longest + turns * (args.max_new_tokens + max(ks) + 1), logits=True)
         stop_ids = set(info.stop_ids)
-        mode = "greedy" if sampling.greedy else f"sampling at temperature {temperature}, top-p {args.top_p}"
+        mode = "greedy" if sampling.greedy else (f"sampling at temperature {temperature}, top-p {args.top_p}, "
+                                                 f"drafts proposed {args.draft_sampling}")
         print(f"decoding {describe_prompts(sets, prompts, skipped, thinking)}, up to {args.max_new_tokens} new "
               f"tokens each, {mode}, stop ids {sorted(stop_ids)}")
         if sets is None:
@@ -225,7 +236,8 @@ def evaluate(args: argparse.Namespace) -> int:
                 "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "prompt_sets": list(sets or [HELD_OUT]),
                 "held_out": split.rule, "dtype": str(dtype).removeprefix("torch."), "engine": args.engine,
                 "thinking": args.thinking, "temperature": temperature,
-                "top_p": args.top_p, "seed": args.seed}
+                "top_p": args.top_p, "draft_sampling": None if sampling.greedy else args.draft_sampling,
+                "seed": args.seed}
     if args.json is not None:
         write_report(args.json, reports, prompts, tokenizer.decode, settings, baselines, ks=ks)
         print(f"wrote {args.json}")
@@ -237,7 +249,7 @@ def evaluate(args: argparse.Namespace) -> int:
         base = EngineSettings.for_target(info, longest, trust_remote_code, runtime.tensor_parallel_size,
                                          runtime.vllm_dtype)
         served_plain, served = measure_with_vllm(runtime.vllm_python, base, prompts, draft_dirs, ks,
-                                                 args.max_new_tokens, set(info.stop_ids), model)
+                                                 args.max_new_tokens, set(info.stop_ids), model, sampling, args.seed)
         for line in served_lines(reports, served, ks):
             print(line)
         if args.json is not None:

@@ -137,13 +137,16 @@ def test_script_samples_at_a_temperature(eval_run, kimi_target, tmp_path):
                "--draft", eval_run / "untrained", "--max-prompts", "2", "--max-new-tokens", "12",
                "--temperature", "1.0", "--top-p", "0.9", "--json", out)
     report = json.loads(out.read_text())
-    assert report["temperature"] == 1.0 and report["top_p"] == 0.9
+    assert report["temperature"] == 1.0 and report["top_p"] == 0.9 and report["draft_sampling"] == "greedy"
     assert report["identical_to_greedy"] is None
     assert 1.0 <= report["measured_acceptance_length"] <= 1 + K
     assert 1.0 <= report["baselines"]["ngram"]["measured_acceptance_length"] <= 1 + K
     proc = run_in_process(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
                           "--draft", eval_run / "untrained", "--top-p", "0.5")
     assert proc.returncode == 1 and "--top-p 0.5 needs --temperature > 0" in proc.stderr
+    proc = run_in_process(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
+                          "--draft-sampling", "probabilistic")
+    assert proc.returncode == 1 and "--draft-sampling probabilistic needs --temperature > 0" in proc.stderr
 
 
 def test_script_measures_prompt_sets_per_category_and_k(eval_run, kimi_target, prompt_files, tmp_path):

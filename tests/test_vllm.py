@@ -160,6 +160,21 @@ def test_served_acceptance_equals_05s_own(flat_run, flat_target, demo_conversati
         assert draft["acceptance_rate_per_position"][1] > 0, draft["name"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's GPU build verifies sampled drafts with its own kernels")
+def test_sampled_serving_on_vllms_cpu_build_is_refused_before_decoding(flat_run, flat_target, tmp_path):
+    """vLLM's CPU build verifies sampled drafts wrongly (common/vllm/client.py,
+    check_sampled_speculation), so 05 at a temperature with --engine vllm on a CPU stops in one line
+    before it decodes anything; greedy serving and 05's own sampled decoding stay available."""
+    report = tmp_path / "eval.json"
+    proc = run_script("05_evaluate.py", "--run-dir", flat_run, "--target", flat_target, "--engine", "vllm",
+                      "--temperature", "0.6", "--max-prompts", "1", "--json", report, check=False, env=ENV)
+    assert proc.returncode == 1 and not report.exists() and "decoding" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --engine vllm at temperature 0.6: vLLM's CPU build verifies sampled drafts "
+                           "wrongly"), proc.stderr
+    assert "without --engine vllm" in last
+
+
 @pytest.mark.slow
 def test_draft_vllm_refuses_is_one_line(flat_run, flat_target, tmp_path):
     """A draft whose attention head size (64 / 4 = 16) vLLM's CPU kernels do not support."""

@@ -18,10 +18,12 @@ The target's auxiliary states come from forward hooks on its decoder layers
 
 Greedy (temperature 0): the emitted tokens are exactly the target's greedy continuation (what
 makes speculative decoding lossless); `plain_generate` at temperature 0 is the plain reference. Sampling
-(temperature > 0, top-p): the draft samples its chain from its own distribution q and the
-target accepts each token with probability min(1, p/q), resampling from normalised max(0, p - q)
-at the first rejection (`accept_sampled`), so the emitted tokens follow the target's sampling
-distribution exactly. `NgramProposer` (vLLM's `ngram` prompt lookup) is the draft-free baseline;
+(temperature > 0, top-p): the target accepts each draft token d with probability min(1, p(d)/q(d)),
+resampling from normalised max(0, p - q) at the first rejection (`accept_sampled`), so the emitted
+tokens follow the target's sampling distribution exactly. How the draft proposes is
+`SamplingParams.draft_sampling`, as vLLM's `draft_sample_method`: 'greedy' (vLLM's default) proposes
+the draft's argmax and verifies it as a point mass q, accepted with probability p(d);
+'probabilistic' samples the chain from the draft's own distribution q. `NgramProposer` (vLLM's `ngram` prompt lookup) is the draft-free baseline;
 its proposals are point masses. Acceptance length is reported
 as vLLM and SGLang report it: tokens emitted per verification pass (1 + accepted drafts),
 the prefill pass not counted, counted before the `max_new_tokens` cut of the last round.
@@ -42,12 +44,13 @@ import torch
 from transformers import DynamicCache
 
 __all__ = [
-    "aux_states", "SamplingParams", "Proposal", "accept_greedy", "accept_sampled", "NgramProposer",
+    "aux_states", "DRAFT_SAMPLING", "SamplingParams", "Proposal", "accept_greedy", "accept_sampled", "NgramProposer",
     "ngram_lookup", "DraftProposer", "Generation", "SpeculativeStats", "plain_generate",
     "speculative_generate", "input_device", "longest_run", "distinct_ratio",
 ]
 
 INFERENCE_ATTENTION = "sdpa"
+DRAFT_SAMPLING = ("greedy", "probabilistic")  # vLLM's draft_sample_method values
 
 
 def input_device(model: torch.nn.Module) -> torch.device:
@@ -64,14 +67,25 @@ def aux_states(captured: dict[int, torch.Tensor], layer_ids: list[int], device: 
 @dataclass(frozen=True)
 class SamplingParams:
     """The user's decoding settings: temperature 0 is greedy; otherwise softmax(logits / T)
-    restricted to the smallest set of most likely tokens whose mass reaches `top_p`."""
+    restricted to the smallest set of most likely tokens whose mass reaches `top_p`, with the
+    draft's proposals made as `draft_sampling` says (one of `DRAFT_SAMPLING`; see the module)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
+    draft_sampling: str = "greedy"
+
+    def __post_init__(self) -> None:
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling {self.draft_sampling!r}: expected one of {', '.join(DRAFT_SAMPLING)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def draft_greedy(self) -> bool:
+        """Whether a draft proposes its argmax (always when decoding greedily)."""
+        return self.greedy or self.draft_sampling == "greedy"
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] logits -> [..., V] probabilities (float32) under these settings."""
@@ -201,12 +215,12 @@ class DraftProposer:
     @torch.no_grad()
     def propose(self, k: int, sampling: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
         """k target ids: the prediction after the context, then k-1 steps on the draft's own states;
-        greedy at temperature 0, else sampled from the draft's distribution (kept, over target ids,
-        for the acceptance rule)."""
+        the draft's argmax (`sampling.draft_greedy`), else sampled from the draft's distribution
+        (kept, over target ids, for the acceptance rule)."""
         hidden, logits = self.last_hidden, self.last_logits
         tokens, dists = [], []
         for step in range(k):
-            if sampling.greedy:
+            if sampling.draft_greedy:
                 draft_id = logits.argmax()
             else:
                 probs = sampling.probs(logits.float()).cpu()
@@ -217,7 +231,7 @@ class DraftProposer:
             if step < k - 1:
                 hidden, logits = self._step(token.view(1), hidden)
         self.cache.crop(self.context_len)  # the chain is not context: verification decides what is
-        if sampling.greedy:
+        if sampling.draft_greedy:
             return Proposal(tokens)
         return Proposal(tokens, self._to_target_vocab(torch.stack(dists)))
 

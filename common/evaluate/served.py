@@ -1,6 +1,12 @@
 """05's `--engine vllm`: the served acceptance length of each draft (and plain serving), from
 vLLM's own spec-decode counters, on the prompts 05 decoded itself.
 
+vLLM decodes as 05 did: greedy, or sampled at 05's temperature and top-p (request i seeded with
+seed + i) with the draft proposing as 05's `draft_sampling` (vLLM's `draft_sample_method`), so the two
+acceptance lengths measure the same rule. Sampled outputs are equal to plain vLLM's in distribution
+only and are not compared. (vLLM's CPU build samples wrongly with a draft: 05 refuses a temperature
+there, see `common.vllm.client.check_sampled_speculation`.)
+
 At temperature 0 each draft's output must equal plain vLLM's token for token (lossless). In fp32
 (`--dtype fp32`, possible on a CPU host) it does exactly; in bf16 a near-tie of the target's two
 best tokens may break differently between vLLM's batched passes, so for every generation that
@@ -19,7 +25,7 @@ from typing import Any
 import torch
 
 from common.errors import PipelineError
-from common.evaluate.decoding import input_device
+from common.evaluate.decoding import SamplingParams, input_device
 from common.evaluate.prompts import Prompt
 from common.evaluate.report import DraftReport, finite
 from common.vllm.client import EngineSettings, VllmWorker
@@ -58,6 +64,7 @@ class VllmMeasured:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    compared: bool = True  # greedy: outputs compared token by token with plain vLLM's
     mismatched: list[str] = field(default_factory=list)  # sample ids whose output differs from plain vLLM
     divergences: list[Divergence] = field(default_factory=list)  # where each of those first differs
 
@@ -80,8 +87,9 @@ class VllmMeasured:
     def figures(self) -> dict[str, Any]:
         return {"measured_acceptance_length": finite(self.acceptance_length),
                 "acceptance_rate_per_position": [finite(r) for r in self.acceptance_rate_per_position],
-                "identical_to_greedy": not self.mismatched, "mismatched_samples": self.mismatched,
-                "differing_share": finite(self.differing_share),
+                "identical_to_greedy": not self.mismatched if self.compared else None,
+                "mismatched_samples": self.mismatched,
+                "differing_share": finite(self.differing_share) if self.compared else None,
                 "divergences": [d.figures() for d in self.divergences],
                 "num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
                 "num_accepted_tokens": self.accepted, "num_accepted_tokens_per_pos": self.accepted_per_pos,
@@ -89,12 +97,13 @@ class VllmMeasured:
 
 
 def _run(python: Path, settings: EngineSettings, prompts: list[list[int]], max_new_tokens: int,
-         stop_ids: set[int]) -> VllmMeasured:
+         stop_ids: set[int], sampling: SamplingParams, seed: int) -> VllmMeasured:
     with VllmWorker(python, settings) as worker:
         answer = worker.request({"op": "generate", "prompts": prompts, "max_tokens": max_new_tokens,
-                                 "stop_ids": sorted(stop_ids)}, "generation")
+                                 "stop_ids": sorted(stop_ids), "temperature": sampling.temperature,
+                                 "top_p": sampling.top_p, "seed": seed}, "generation")
     counters = answer["counters"]
-    return VllmMeasured(outputs=answer["outputs"], seconds=answer["seconds"],
+    return VllmMeasured(outputs=answer["outputs"], seconds=answer["seconds"], compared=sampling.greedy,
                         drafts=counters["vllm:spec_decode_num_drafts"],
                         draft_tokens=counters["vllm:spec_decode_num_draft_tokens"],
                         accepted=counters["vllm:spec_decode_num_accepted_tokens"],
@@ -102,23 +111,28 @@ def _run(python: Path, settings: EngineSettings, prompts: list[list[int]], max_n
 
 
 def measure_with_vllm(python: Path, base: EngineSettings, prompts: list[Prompt], drafts: dict[str, Path],
-                      ks: list[int], max_new_tokens: int, stop_ids: set[int], target: torch.nn.Module | None = None
+                      ks: list[int], max_new_tokens: int, stop_ids: set[int], target: torch.nn.Module | None = None,
+                      sampling: SamplingParams = SamplingParams(), seed: int = 0
                       ) -> tuple[VllmMeasured, dict[str, dict[int, VllmMeasured]]]:
-    """Each draft served with the target at each k, then plain vLLM greedy decoding of the
-    prompts: outputs compared token by token with the plain run (temperature 0), and where one
+    """Each draft served with the target at each k, then plain vLLM decoding of the prompts, all
+    under `sampling`: greedy outputs compared token by token with the plain run, and where one
     differs, with 05's own `target` given, the target's top-2 logit gap there."""
     ids = [p.ids for p in prompts]
     results: dict[str, dict[int, VllmMeasured]] = {}
     for name, folder in drafts.items():  # drafts first: a draft vLLM refuses fails before the plain run
         for k in ks:
             print(f"vLLM: decoding {len(ids)} prompts with {name} ({folder}), k = {k}", flush=True)
-            settings = EngineSettings(**{**base.__dict__, "draft": str(folder), "num_speculative_tokens": k})
-            result = results.setdefault(name, {})[k] = _run(python, settings, ids, max_new_tokens, stop_ids)
+            settings = EngineSettings(**{**base.__dict__, "draft": str(folder), "num_speculative_tokens": k,
+                                         "draft_sample_method": sampling.draft_sampling})
+            result = results.setdefault(name, {})[k] = _run(python, settings, ids, max_new_tokens, stop_ids,
+                                                            sampling, seed)
             if result.drafts == 0:
                 raise PipelineError(f"vLLM served {name} {folder} but reported no drafts: speculative decoding "
                                     "did not run")
     print(f"vLLM: decoding {len(ids)} prompts without speculation", flush=True)
-    plain = _run(python, base, ids, max_new_tokens, stop_ids)
+    plain = _run(python, base, ids, max_new_tokens, stop_ids, sampling, seed)
+    if not sampling.greedy:
+        return plain, results
     for by_k in results.values():
         for result in by_k.values():
             result.mismatched = [p.sample_id for p, a, b in zip(prompts, result.outputs, plain.outputs) if a != b]
@@ -180,8 +194,9 @@ def engine_table(names: list[str], own: dict[str, Any], served: dict[str, VllmMe
     row("accepted tokens", lambda n: own[n].stats.accepted_total if own.get(n) else None,
         lambda n: served[n].accepted)
     row("identical to greedy", lambda n: own[n].identical_to_greedy if own.get(n) else None,
-        lambda n: not served[n].mismatched)
-    row("share of outputs differing from plain", lambda n: None, lambda n: served[n].differing_share)
+        lambda n: not served[n].mismatched if served[n].compared else None)
+    row("share of outputs differing from plain", lambda n: None,
+        lambda n: served[n].differing_share if served[n].compared else None)
     row("  of them near-ties (top-2 gap < bf16 step)", lambda n: None,
         lambda n: sum(d.near_tie for d in served[n].divergences) if served[n].mismatched else None)
     row("simulated acceptance length", lambda n: simulated.get(n), lambda n: None)

@@ -48,7 +48,8 @@ GENERIC_ERRORS = ("Engine core initialization failed", "WorkerProc initializatio
 CPU_INT4_MOE_SCORING = ("softmax",)
 X86_MACHINES = ("x86_64", "amd64", "i386", "i686")  # vLLM's CpuArchEnum.X86 (platforms/interface.py)
 
-__all__ = ["check_vllm_python", "check_servable", "vllm_device", "EngineSettings", "VllmWorker"]
+__all__ = ["check_vllm_python", "check_servable", "check_sampled_speculation", "vllm_device", "EngineSettings",
+           "VllmWorker"]
 
 
 # --- the environment and the worker process -------------------------------------------------
@@ -98,6 +99,20 @@ def check_servable(info: TargetInfo, device: str, draft: str | Path | None = Non
     if problem:
         what = f"vLLM serving {info.path}" + (f" with draft {draft}" if draft is not None else "")
         raise PipelineError(f"{what}: {problem}")
+
+
+def check_sampled_speculation(device: str, temperature: float) -> None:
+    """Refuse sampled speculative decoding on vLLM's CPU build, whose verification of sampled drafts
+    is wrong: vLLM 0.32 on a CPU, the flat miniature in fp32 at temperature 0.01 (all but greedy),
+    20 prompts: none of the outputs with an EAGLE-3 draft and 1 with an n-gram one equal greedy
+    decoding, against 18 without speculation and 20 of 20 with either draft at temperature 0; the
+    EAGLE-3 draft's acceptance length fell from 1.91 (greedy) to 1.10. Greedy verification is right
+    there (05 checks it token by token); on GPUs vLLM verifies with its Triton kernels instead."""
+    if device == "cpu" and temperature > 0:
+        raise PipelineError(f"--engine vllm at temperature {temperature:g}: vLLM's CPU build verifies sampled drafts "
+                            "wrongly (at temperature 0.01 none of 20 outputs with an EAGLE-3 draft equals greedy "
+                            "decoding), so its acceptance length would mean nothing; measure sampled acceptance with "
+                            "05's own decoder (without --engine vllm), or serve on a GPU")
 
 
 def _int4_moe_on_cpu(info: TargetInfo) -> str | None:
@@ -165,6 +180,7 @@ class EngineSettings:
     storage: str | None = None
     draft: str | None = None
     num_speculative_tokens: int = 0
+    draft_sample_method: str = "greedy"  # how the draft proposes when sampling (vLLM's; see common.evaluate.decoding)
     gpu_memory_utilization: float | None = None  # vLLM's share of each GPU (default: vLLM's 0.9); unused on CPU
     target: TargetInfo | None = None  # the target's facts, for `check_servable` (not sent to the worker)
 

@@ -53,7 +53,8 @@ def engine_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
             **({"kv_connector_module_path": "common.vllm.cpu_connector"} if cpu else {})}
     elif settings.get("draft"):
         kwargs["speculative_config"] = {"model": settings["draft"], "method": "eagle3",
-                                        "num_speculative_tokens": settings["num_speculative_tokens"]}
+                                        "num_speculative_tokens": settings["num_speculative_tokens"],
+                                        "draft_sample_method": settings.get("draft_sample_method", "greedy")}
     return kwargs
 
 
@@ -79,11 +80,15 @@ def extract(llm, prompts: list[list[int]]) -> dict[str, Any]:
     return {"files": [out.kv_transfer_params["hidden_states_path"] for out in outputs]}
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int]) -> dict[str, Any]:
+def generate(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int], temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0) -> dict[str, Any]:
+    """05's generations and the spec-decode counters: greedy at temperature 0, else sampled with
+    request i seeded with seed + i."""
     from vllm import SamplingParams  # vLLM is imported once serve() has started it (see there)
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop_ids, ignore_eos=True,
-                            detokenize=False)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed + i if temperature > 0 else None, stop_token_ids=stop_ids, ignore_eos=True,
+                             detokenize=False) for i in range(len(prompts))]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     return {"outputs": [list(out.outputs[0].token_ids) for out in outputs], "counters": read_counters(llm)}
 
@@ -129,7 +134,8 @@ def serve(settings: dict[str, Any], channel: TextIO) -> None:
                 result = sample(llm, request["prompts"], request["max_tokens"], request["stop_ids"],
                                 request["temperature"], request["top_p"], request["seed"])
             else:
-                result = generate(llm, request["prompts"], request["max_tokens"], request["stop_ids"])
+                result = generate(llm, request["prompts"], request["max_tokens"], request["stop_ids"],
+                                  request.get("temperature", 0.0), request.get("top_p", 1.0), request.get("seed", 0))
             answer(channel, {"ok": True, "seconds": time.perf_counter() - start, **result})
         except Exception as e:  # noqa: BLE001 - reported to the pipeline, which names the request
             answer(channel, {"ok": False, "error": first_line(e)})

@@ -60,9 +60,10 @@ def resample_from_target(proposal: Proposal, target_probs: torch.Tensor, generat
     return n, proposal.tokens + [int(torch.multinomial(target_probs[n], 1, generator=generator)[0])]
 
 
-def first_two_tokens(rule, seed: int) -> torch.Tensor:
+def first_two_tokens(rule, seed: int, greedy_draft: bool = False) -> torch.Tensor:
     """[V, V] counts of the first two tokens emitted after token 0 by speculative decoding of the
-    Markov target with the Markov draft (k drafts sampled from the draft's own chain per round)."""
+    Markov target with the Markov draft (k drafts per round sampled from the draft's own chain, or
+    its argmax chain with `greedy_draft`, verified as point masses as vLLM does by default)."""
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB, VOCAB)
     for _ in range(SAMPLES):
@@ -72,10 +73,10 @@ def first_two_tokens(rule, seed: int) -> torch.Tensor:
             drafts, dists, prev = [], [], last
             for _ in range(K):
                 dists.append(DRAFT[prev])
-                prev = int(torch.multinomial(DRAFT[prev], 1, generator=g)[0])
+                prev = int(DRAFT[prev].argmax() if greedy_draft else torch.multinomial(DRAFT[prev], 1, generator=g)[0])
                 drafts.append(prev)
             target_probs = TARGET[[last, *drafts]]  # p after the last token and after each draft
-            _, new = rule(Proposal(drafts, torch.stack(dists)), target_probs, g)
+            _, new = rule(Proposal(drafts, None if greedy_draft else torch.stack(dists)), target_probs, g)
             emitted += new
             last = emitted[-1]
         counts[emitted[0], emitted[1]] += 1
@@ -89,6 +90,30 @@ def chi_square(counts: torch.Tensor) -> float:
 
 def test_speculative_sampling_emits_the_targets_distribution():
     assert chi_square(first_two_tokens(accept_sampled, seed=0)) < CHI2_CRITICAL
+
+
+def test_greedy_drafts_verified_as_point_masses_emit_the_targets_distribution():
+    """vLLM's default at a temperature (draft_sample_method 'greedy'): the draft's argmax, accepted
+    with probability p(d), the residual p without d on rejection: still the target's law."""
+    assert chi_square(first_two_tokens(accept_sampled, seed=0, greedy_draft=True)) < CHI2_CRITICAL
+
+
+def test_the_draft_proposes_its_argmax_unless_sampling_probabilistically(models):
+    """At a temperature a draft proposes its greedy chain with no distribution (point masses), as at
+    temperature 0; 'probabilistic' samples its chain and keeps q over the target's vocabulary."""
+    _, _, draft = models["kimi"]
+    torch.manual_seed(2)
+    ids, aux = torch.randint(0, 4096, (8,)), torch.randn(1, 8, 3 * draft.hidden_size)
+    proposer = DraftProposer(draft)
+    proposer.extend(ids, aux)
+    greedy = proposer.propose(K, GREEDY)
+    at_one = proposer.propose(K, SamplingParams(1.0), torch.Generator().manual_seed(0))
+    assert SamplingParams(1.0).draft_greedy and at_one.tokens == greedy.tokens and at_one.probs is None
+    sampled = proposer.propose(K, SamplingParams(1.0, draft_sampling="probabilistic"), torch.Generator().manual_seed(0))
+    assert sampled.probs.shape == (K, 163840) and sampled.probs.sum(-1).tolist() == pytest.approx([1.0] * K)
+    assert all(sampled.probs[j, t] > 0 for j, t in enumerate(sampled.tokens))
+    with pytest.raises(ValueError, match="draft_sampling 'beam'"):
+        SamplingParams(1.0, draft_sampling="beam")
 
 
 def test_the_same_check_rejects_a_wrong_rule():

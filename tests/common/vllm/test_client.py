@@ -74,6 +74,42 @@ def test_the_worker_checks_before_starting_anything(infos, monkeypatch, tmp_path
     assert "target" not in json.loads(settings.as_json())  # the worker gets engine arguments only
 
 
+SAMPLED_REQUESTS = """
+import json
+from common.vllm import worker
+
+class Engine:  # what generate() hands vLLM, without starting an engine
+    def generate(self, prompts, params, use_tqdm):
+        self.params = params
+        return []
+    def get_metrics(self):
+        return []
+
+engine = Engine()
+worker.generate(engine, [[1, 2], [3]], 8, [2], 0.7, 0.9, 5)
+sampled = [(p.temperature, p.top_p, p.seed, p.stop_token_ids) for p in engine.params]
+worker.generate(engine, [[1, 2]], 8, [2])
+print(json.dumps({"sampled": sampled, "greedy": [(p.temperature, p.seed) for p in engine.params]}))
+"""
+
+
+@pytest.mark.vllm
+def test_05s_sampling_and_draft_rule_reach_vllm(vllm_python, infos):
+    """05 at a temperature: vLLM's requests carry its temperature, top-p and a seed per prompt
+    (greedy ones none), and the draft proposes by 05's --draft-sampling (vLLM's draft_sample_method)."""
+    from common.vllm.worker import engine_kwargs
+
+    settings = EngineSettings.for_target(infos["flat"], 256, False)
+    settings.draft, settings.num_speculative_tokens = str(DRAFT), 3
+    assert engine_kwargs(json.loads(settings.as_json()))["speculative_config"]["draft_sample_method"] == "greedy"
+    settings.draft_sample_method = "probabilistic"
+    assert engine_kwargs(json.loads(settings.as_json()))["speculative_config"]["draft_sample_method"] == "probabilistic"
+    probe = subprocess.run([str(vllm_python), "-c", SAMPLED_REQUESTS], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=600)
+    sent = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else probe.stderr[-2000:]
+    assert sent == {"sampled": [[0.7, 0.9, 5, [2]], [0.7, 0.9, 6, [2]]], "greedy": [[0.0, None]]}
+
+
 @pytest.mark.vllm
 def test_worker_and_connector_import_in_the_vllm_environment(vllm_python):
     """The two modules that run inside .venv-vllm (transformers 5.x, no training stack) import there."""
