@@ -61,6 +61,7 @@ MALFORMED_TOOLS = "malformed_tools"
 UNKNOWN_ROLE = "unknown_role"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 EMPTY_CONTENT = "empty_content"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # inline reasoning in an answer's text (`_inline_reasoning`)
 NON_STRING_CONTENT = "non_string_content"
 # Reasons a single tool call is skipped (the report's `tool_calls_skipped` keys).
 TOOL_CALL_NO_ID = "no_id"
@@ -385,15 +386,31 @@ class _Builder:
             return Rejection(NON_STRING_CONTENT, f"{role} content of type {type(bad).__name__}")
         text, media = text
         self.media += media
-        if not text.strip() and not media and not tool_calls and role != "tool":
-            if had_calls:
-                return None  # its only tool calls were malformed: skipped and counted, not the conversation
+        if role == "assistant" and reasoning is None:
+            text, reasoning = _inline_reasoning(text)
+        if not text.strip() and not media and not tool_calls and not reasoning and role != "tool":
+            if had_calls or role == "system":
+                # its only tool calls were malformed (skipped and counted), or an empty system prompt
+                # (as a top-level empty `system`): the message goes, not the conversation
+                return None
             return Rejection(EMPTY_CONTENT, f"empty {role} message")
         self.messages.append(Message(
             role, text, reasoning or None,  # an empty thinking block is no thinking
             name=name if isinstance(name, str) and name and role in NAMED_ROLES else None,
             tool_call_id=str(tool_call_id) if tool_call_id is not None else None, tool_calls=tool_calls))
         return None
+
+
+def _inline_reasoning(text: str) -> tuple[str, str | None]:
+    """(content, reasoning) of an answer that writes its reasoning inline, `<think>...</think>`
+    before the content (DeepSeek-R1-style data, with no reasoning field): the reasoning goes where
+    the target's template renders it, as Qwen3's template and vLLM's reasoning parsers split it.
+    Other text is returned as it is, with no reasoning."""
+    start = text.lstrip()
+    if not (start.startswith(THINK_OPEN) and THINK_CLOSE in start):
+        return text, None
+    reasoning, content = start[len(THINK_OPEN):].split(THINK_CLOSE, 1)
+    return content.lstrip("\n"), reasoning.strip("\n")
 
 
 def _openai_turn(builder: _Builder, m: dict) -> Rejection | None:

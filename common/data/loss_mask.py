@@ -168,8 +168,9 @@ class ChatMasker:
         self.template = ChatTemplate(tokenizer)
         self._prefix_ids: dict[str, list[int]] = {}
         self._skeletons: dict[str, str] = {}
-        self._marks_calls = True  # tool-call ids and string arguments become sentinels (`_place`)
-        self._marks_empty = True  # empty strings become sentinels too (`render`)
+        # What `render` marks with sentinels, until a conversation shows the template does not allow it:
+        self._marks_calls = True  # tool-call ids and string arguments
+        self._marks_empty = True  # empty strings
         try:
             self.header = self._assistant_header()
             self.prompts = self._generation_prompts()
@@ -212,19 +213,28 @@ class ChatMasker:
         return rendering.text, rendering.spans
 
     def render(self, messages: Sequence[Message], tools: list | None = None) -> Rendering:
-        try:
-            return self._render_marked(messages, tools, self._marks_empty)
-        except MaskError:
-            if not (self._marks_empty and any(_empty_strings(m.to_template()) for m in messages)):
-                raise
-        # A template that tests a string for emptiness (Qwen3: `{% if content %}` before a tool call,
-        # `{% if reasoning_content %}`) renders an empty string's sentinel, which is not empty, unlike
-        # the string itself. From here empty strings stay empty: there is nothing in them to locate.
-        rendering = self._render_marked(messages, tools, marks_empty=False)
-        self._marks_empty = False
-        return rendering
+        """The rendering, its supervised spans and counts. Strings are marked as this masker has
+        found the template to allow (`_marks_empty`, `_marks_calls`); where the sentinel rendering
+        cannot be aligned, less is marked, empty strings first (for a conversation that holds one),
+        then tool calls, and what works is kept for the conversations after."""
+        choices = [(self._marks_empty, self._marks_calls)]
+        if self._marks_empty and any(_empty_strings(m.to_template()) for m in messages):
+            choices.append((False, self._marks_calls))
+        if self._marks_calls:
+            choices += [(empty, False) for empty, _ in choices]
+        for i, (marks_empty, marks_calls) in enumerate(choices):
+            try:
+                rendering = self._render_marked(messages, tools, marks_empty, marks_calls)
+            except MaskError:
+                if i == len(choices) - 1:
+                    raise
+                continue
+            self._marks_empty, self._marks_calls = marks_empty, marks_calls
+            return rendering
+        raise AssertionError("unreachable: the last choice returns or raises")
 
-    def _render_marked(self, messages: Sequence[Message], tools: list | None, marks_empty: bool) -> Rendering:
+    def _render_marked(self, messages: Sequence[Message], tools: list | None, marks_empty: bool,
+                       marks_calls: bool) -> Rendering:
         values: list[str] = []
         owners: list[tuple[int, str]] = []  # value index -> (message index, field)
         real, calls_real, marked = [], [], []
@@ -249,7 +259,7 @@ class ChatMasker:
                                        for call in message["tool_calls"]]
             marked.append({**calls_real[-1], **calls})
         text = self._render(real, tools=tools)
-        placed = self._place(marked, calls_real, tools, text, values)
+        placed = self._place(marked, calls_real, tools, text, values, marks_calls)
         by_message: dict[int, list[int]] = {}
         reasoning_placed = set()
         for i, (key, _, _) in enumerate(placed):
@@ -272,17 +282,16 @@ class ChatMasker:
         return Rendering(text, spans, reasoning, stripped, calls, 0 if self.renders_tool_calls else calls, unlocated)
 
     def _place(self, marked: list[dict], calls_real: list[dict], tools: list | None, text: str,
-               values: list[str]) -> list[tuple[int, int, int]]:
+               values: list[str], marks_calls: bool) -> list[tuple[int, int, int]]:
         """`_align` of the sentinel rendering. That rendering depends on the conversation's shape
         only (roles, names, tool names, object arguments, tools: no content, and no tool-call id,
         string arguments or result id, which are sentinels too), and a dataset's conversations
         share few shapes, so theirs is kept per shape (rendering is most of 01's time). A kept one
-        that no longer fits (a template that reads the clock) is rendered again. A template that
-        renders a tool call's sentinels so that they cannot be aligned (one that parses its
-        arguments) is given the real calls, `calls_real`, from then on: that rendering is the
-        conversation's own and is not kept."""
-        plain = marked == calls_real  # no tool call to mark
-        if not (plain or self._marks_calls):
+        that no longer fits (a template that reads the clock) is rendered again. Without
+        `marks_calls` (a template that renders a tool call's sentinels so that they cannot be
+        aligned: one that parses its arguments) the real calls, `calls_real`, are rendered: that
+        rendering is the conversation's own and is not kept."""
+        if not marks_calls and marked != calls_real:
             return _align(self._render(calls_real, tools=tools), text, values)
         key = repr((marked, tools))
         kept = self._skeletons.get(key)
@@ -292,13 +301,7 @@ class ChatMasker:
             except MaskError:
                 pass
         skeleton = self._render(marked, tools=tools)
-        try:
-            placed = _align(skeleton, text, values)
-        except MaskError:
-            if plain:
-                raise
-            self._marks_calls = False
-            return _align(self._render(calls_real, tools=tools), text, values)
+        placed = _align(skeleton, text, values)
         if len(self._skeletons) >= SKELETON_CACHE_SIZE:
             self._skeletons.clear()
         self._skeletons[key] = skeleton

@@ -118,6 +118,36 @@ def test_openai_tool_calls_results_and_list_content():
     assert [m.role for m in to_conversation("f:2", only_bad).messages] == ["user", "assistant"]
 
 
+def test_inline_reasoning_becomes_the_turns_reasoning():
+    """DeepSeek-R1-style answers write their reasoning as `<think>...</think>` before the content;
+    it becomes the turn's reasoning (the target's template renders it its own way). A reasoning
+    field wins; text that only mentions the tag, or opens a block it never closes, is content."""
+    def answer(message: dict) -> Message:
+        return to_conversation("f:1", {"messages": [{"role": "user", "content": "q"}, message]}).messages[-1]
+
+    assert answer({"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"}) == \
+        Message("assistant", "4", "Add them.")
+    assert answer({"role": "assistant", "content": "<think></think>4"}) == Message("assistant", "4")
+    assert answer({"role": "assistant", "content": "<think>only thinking</think>"}) == \
+        Message("assistant", "", "only thinking")
+    assert answer({"role": "assistant", "content": "<think>a</think>4", "reasoning_content": "b"}) == \
+        Message("assistant", "<think>a</think>4", "b")
+    for text in ("Close it with </think>.", "<think>never closed"):
+        assert answer({"role": "assistant", "content": text}) == Message("assistant", text)
+    sharegpt = to_conversation("s:1", {"conversations": [{"from": "human", "value": "q"},
+                                                         {"from": "gpt", "value": "<think>x</think>y"}]})
+    assert sharegpt.messages[-1] == Message("assistant", "y", "x")
+
+
+def test_an_empty_system_message_is_left_out_not_the_conversation():
+    """As a top-level empty `system` is: nothing of the conversation is lost."""
+    for record in ({"messages": [{"role": "system", "content": " "}, {"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "a"}]},
+                   {"system": "", "conversations": [{"from": "system", "value": ""}, {"from": "human", "value": "q"},
+                                                    {"from": "gpt", "value": "a"}]}):
+        assert to_conversation("f:1", record).messages == (Message("user", "q"), Message("assistant", "a"))
+
+
 @pytest.mark.parametrize("call_turn, result_turn", [("function_call", "observation"), ("tool_call", "tool"),
                                                     ("function_call", "function_response")])
 def test_sharegpt_function_call_and_observation_turns(call_turn, result_turn):

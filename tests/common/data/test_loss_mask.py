@@ -220,7 +220,20 @@ def test_a_template_that_tests_strings_for_emptiness(flat_target):
         ("<think>\nReport it.\n</think>\n\n14 °C in Paris.<|im_end|>", 1), ("\n", 0)])
     assert (encoded.input_ids, encoded.loss_mask) == (ids, mask)
     assert (encoded.rendering.reasoning_turns, encoded.rendering.tool_calls, encoded.rendering.stripped_turns) == (2, 1, 0)
-    assert not masker._marks_empty
+    assert not masker._marks_empty and masker._marks_calls  # the calls' sentinels were never the trouble
+
+
+def test_an_empty_string_does_not_cost_a_tool_call_its_sentinels(flat_target):
+    """The first conversation a Qwen3 masker sees: a call with no content and no reasoning, whose
+    string arguments are all there is to place the turn by. Its failed first alignment (the empty
+    content's sentinel) is put down to the empty string, not to the call."""
+    tok = _variant(flat_target, QWEN3_TEMPLATE.read_text())
+    masker = ChatMasker(tok)
+    turns = (TOOL_TURNS[0], Message("assistant", "", tool_calls=(CALL,)), *TOOL_TURNS[2:])
+    r = masker.encode(turns, TOOLS).rendering
+    assert (len(r.spans), r.tool_calls, r.unlocated_turns) == (2, 1, 0)
+    assert r.text[slice(*r.spans[0])] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    assert (masker._marks_empty, masker._marks_calls) == (False, True)
 
 
 def test_turns_a_template_leaves_nothing_of_are_counted(flat_target):
