@@ -16,8 +16,9 @@ target's path and architecture, and EAGLE-3.1's `norm_before_fc` / `norm_output`
 without `verifier_lm_head` (a frozen copy of the target's lm_head rows, used only to make training
 targets). A draft that predicts the target's whole vocabulary (03's identity map) is written without
 `d2t`/`t2d`, as speculators 0.9.0 writes one: vLLM's EAGLE-3 loader has no parameter for `d2t` when
-the two vocabularies are the same size and refuses a draft that carries it. speculators 0.3.0's `Eagle3DraftModel.from_pretrained` fails on such a folder
-(`unexpected keyword argument 'verifier'`), so `load_draft` builds the model itself.
+the two vocabularies are the same size and refuses a draft that carries it. speculators 0.3.0's
+`Eagle3DraftModel.from_pretrained` fails on such a folder (`unexpected keyword argument
+'verifier'`), so `load_draft` builds the model itself.
 """
 
 from __future__ import annotations
