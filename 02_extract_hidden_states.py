@@ -42,10 +42,10 @@ from common.hidden_states.capture import (
     ExtractionRun,
     ExtractStats,
     check_token_ids,
+    choose_layer_ids,
     estimate_bytes,
     plan_batches,
     shard_batches,
-    validate_layer_ids,
 )
 from common.hidden_states.data_config import NUM_STATES, new_data_config
 from common.hidden_states.engines import open_state_engine
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     target, trust_remote_code = resolve_target(args)
     info = load_target_info(target, trust_remote_code)
     weight_map(info.path)  # a folder without weights is refused before the output folder is touched
-    layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
+    layer_ids = choose_layer_ids(args.layer_ids, info)
     runtime = Runtime.from_args(args)
     runtime.check_target(info)  # what vLLM cannot run here is refused now, not after its engine's start
 

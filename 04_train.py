@@ -47,7 +47,7 @@ from common.draft.model import (
 )
 from common.engine_device import Runtime, add_runtime_args, default_device
 from common.errors import PipelineError
-from common.hidden_states.capture import DEFAULT_BATCH_TOKENS, validate_layer_ids
+from common.hidden_states.capture import DEFAULT_BATCH_TOKENS, choose_layer_ids
 from common.hidden_states.loader import (
     SPLIT_FILE,
     HiddenStateData,
@@ -326,7 +326,7 @@ def open_states(args: argparse.Namespace, info: TargetInfo, trust_remote_code: b
     if runtime.vllm and not runtime.vllm_url and world_size > 1 and torch.cuda.is_available():
         raise PipelineError(f"--online --engine vllm under torchrun would start {world_size} engines on the same GPUs: "
                             "start one with scripts/serve_hidden_states.py and pass --vllm-url to share it")
-    layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
+    layer_ids = choose_layer_ids(args.layer_ids, info)
     return open_online_states(stage_dir(args, "prepared", args.prepared), data_dir, info, runtime, trust_remote_code,
                               layer_ids, STORAGES[args.storage or DEFAULT_STORAGE],
                               args.batch_tokens or DEFAULT_BATCH_TOKENS, args.prefetch or DEFAULT_PREFETCH,

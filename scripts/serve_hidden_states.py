@@ -22,7 +22,7 @@ from common.cli import run_main
 from common.defaults import REPO_ROOT
 from common.engine_device import DTYPES
 from common.errors import PipelineError
-from common.hidden_states.capture import validate_layer_ids
+from common.hidden_states.capture import choose_layer_ids
 from common.target.config import load_target_info
 from common.vllm.client import EngineSettings, check_servable, check_vllm_python, vllm_device, worker_env
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     python = check_vllm_python(args.vllm_python)
     info = load_target_info(args.target, args.trust_remote_code)
-    layer_ids = validate_layer_ids(args.layer_ids or info.default_layer_ids(), info.num_layers)
+    layer_ids = choose_layer_ids(args.layer_ids, info)
     check_servable(info, vllm_device())
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
         raise PipelineError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: a share in (0, 1)")

@@ -4,6 +4,7 @@ folder (speculators' own dataset loads it), resume after SIGKILL, shards, failur
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,6 +35,7 @@ from common.defaults import REPO_ROOT
 from common.errors import PipelineError
 from common.hidden_states.capture import (
     StateExtractor,
+    choose_layer_ids,
     estimate_bytes,
     plan_batches,
     shard_batches,
@@ -100,6 +102,18 @@ def test_layer_ids_range():
     for bad in ([0, 2, 3], [2, 4, 8], [2, 2, 3], [2, 3]):
         with pytest.raises(PipelineError, match=r"1\.\.7 for a target with 8 layers"):
             validate_layer_ids(bad, 8)
+
+
+def test_a_target_too_shallow_for_the_default_layers_is_told_so(flat_target):
+    """EAGLE-3's defaults [2, N//2, N-3] coincide below 7 layers: the error names the target and
+    the defaults instead of quoting ids the user never typed; given ids are checked as they are."""
+    info = dataclasses.replace(load_target_info(flat_target), num_layers=6)
+    with pytest.raises(PipelineError, match=r"target .*: EAGLE-3's default auxiliary layers \[2, N//2, N-3\] are "
+                                            r"\[2, 3, 3\] for its 6 layers, not three distinct ids in 1\.\.5; pass "
+                                            r"--layer-ids with three"):
+        choose_layer_ids(None, info)
+    assert choose_layer_ids([1, 2, 4], info) == [1, 2, 4]
+    assert choose_layer_ids(None, load_target_info(flat_target)) == [2, 4, 5]
 
 
 def test_plan_batches_respects_budget_and_shards_split_it():

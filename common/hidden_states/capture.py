@@ -32,6 +32,7 @@ from common.hidden_states.data_config import NUM_STATES
 from common.hidden_states.journal import Journal, ids_digest
 from common.hidden_states.state_files import file_digest, sample_path, save_sample
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage, StoredStates
+from common.target.config import TargetInfo
 from common.target.model import decoder_parts
 
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens per forward pass (02 and 04 --online --batch-tokens)
@@ -40,6 +41,20 @@ MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten sa
 # Skipping is for the odd bad sample; past `common.errors.skip_limit` or this many in a row the failures
 # are systematic (a bug, a device that is out of memory on every sample) and the run stops.
 MAX_SKIPPED_IN_A_ROW = 20
+
+
+def choose_layer_ids(given: list[int] | None, info: TargetInfo) -> list[int]:
+    """`--layer-ids`, or EAGLE-3's default auxiliary layers of the target, validated; a target too
+    shallow for the defaults is told so (the user typed no ids)."""
+    if given:
+        return validate_layer_ids(given, info.num_layers)
+    defaults = info.default_layer_ids()
+    try:
+        return validate_layer_ids(defaults, info.num_layers)
+    except PipelineError as e:
+        raise PipelineError(f"target {info.path}: EAGLE-3's default auxiliary layers [2, N//2, N-3] are {defaults} "
+                            f"for its {info.num_layers} layers, not three distinct ids in 1..{info.num_layers - 1}; "
+                            "pass --layer-ids with three") from e
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
