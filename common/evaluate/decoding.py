@@ -161,7 +161,8 @@ class NgramProposer:
         self.tokens: list[int] = []
 
     def start(self, prompt: list[int]) -> None:
-        self.tokens = list(prompt)
+        # `extend` then adds positions 1..P and each verified token, as for the draft
+        self.tokens = list(prompt[:1])
 
     def extend(self, token_ids: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.tokens += [int(t) for t in token_ids]

@@ -142,9 +142,14 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert ngram_lookup(tokens, 3, 1, 3) == [4, 5, 1]  # "1 2" last seen before position 9: followed by 4 5 1
     assert ngram_lookup(tokens + [8], 3, 1, 3) == []  # 8 never occurred before
     assert ngram_lookup([3, 4, 3, 4, 3], 2, 2, 3) == [4, 3]  # the longest recurring n wins
+    # fed as speculative_generate feeds a proposer: the prompt, then positions 1..P and the first
+    # token, then each pass's verified tokens; the context is the prompt once, then what followed
     proposer = NgramProposer()
     proposer.start([5, 6, 7])
-    proposer.extend(torch.tensor([5, 6]), None)
+    proposer.extend(torch.tensor([6, 7, 5]), None)
+    assert proposer.tokens == [5, 6, 7, 5]
+    assert proposer.propose(K, SamplingParams()).tokens == [6, 7, 5]
+    proposer.extend(torch.tensor([6]), None)
     assert proposer.propose(K, SamplingParams()).tokens == [7, 5, 6]
 
 
@@ -228,9 +233,10 @@ class OracleProposer:
 
 @pytest.mark.parametrize("name", ["kimi", "flat"])
 def test_speculative_decoding_is_lossless(models, name):
-    """Same tokens as plain greedy decoding (and as transformers' generate) with a random draft
-    and with an oracle draft that gets 0..k tokens accepted; the states handed to the draft are
-    the target's own states at the verified positions."""
+    """Same tokens as plain greedy decoding (and as transformers' generate) with a random draft,
+    with an oracle draft that gets 0..k tokens accepted and with prompt lookup; the states handed to
+    the draft are the target's own states at the verified positions, prompt lookup's context the
+    prompt and the verified tokens."""
     model, info, draft = models[name]
     assert (name == "kimi") == any(isinstance(m, PackedLinear) for m in model.modules())  # INT4 experts, as Kimi-K2.5
     stop_ids = info.stop_ids
@@ -246,8 +252,14 @@ def test_speculative_decoding_is_lossless(models, name):
         with capture_layers(layers, layer_ids) as captured:
             random_run = speculative_generate(model, captured, layer_ids, DraftProposer(draft), prompt, K, 24, stop_ids)
             oracle_run = speculative_generate(model, captured, layer_ids, oracle, prompt, K, 24, stop_ids)
+        ngram = NgramProposer()
+        ngram_run = speculative_generate(model, {}, [], ngram, prompt, K, 24, stop_ids)
         assert random_run.tokens == greedy.tokens
         assert oracle_run.tokens == greedy.tokens
+        assert ngram_run.tokens == greedy.tokens
+        # prompt lookup searches the prompt once and what followed it, up to the last verified token
+        assert prompt + greedy.tokens[:len(ngram.tokens) - len(prompt)] == ngram.tokens
+        assert len(ngram.tokens) > len(prompt)
         accepted_counts.update(oracle_run.accepted)
         # every pass emits accepted + 1 tokens; the last pass may be cut at max_new_tokens
         assert sum(a + 1 for a in oracle_run.accepted) + 1 >= len(greedy.tokens)
