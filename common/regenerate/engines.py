@@ -69,16 +69,18 @@ class HfEngine:
 
 
 class VllmGenerateEngine:
-    """A running vLLM worker's `sample` op: one request per prompt, seeded per request."""
+    """A running vLLM worker's `generate` op: one request per prompt, seeded per request, stopped
+    at the generation config's eos ids too (as the target is served)."""
 
     def __init__(self, worker, stop_ids: set[int], temperature: float, top_p: float):
         self.worker, self.stop_ids = worker, stop_ids
         self.temperature, self.top_p = temperature, top_p
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[Completion]:
-        answer = self.worker.request({"op": "sample", "prompts": prompts, "max_tokens": max_new_tokens,
+        answer = self.worker.request({"op": "generate", "prompts": prompts, "max_tokens": max_new_tokens,
                                       "stop_ids": sorted(self.stop_ids), "temperature": self.temperature,
-                                      "top_p": self.top_p, "seed": seed}, f"generating {len(prompts)} turns")
+                                      "top_p": self.top_p, "seed": seed, "ignore_eos": False},
+                                     f"generating {len(prompts)} turns")
         return [_completion(tokens, self.stop_ids, stopped) for tokens, stopped in
                 zip(answer["outputs"], answer["stopped"])]
 

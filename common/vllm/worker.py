@@ -6,8 +6,9 @@ imports vLLM and nothing of the training stack (transformers 5.x here, 4.57 ther
 one JSON object per line on the original stdout (vLLM's own logging goes to stderr); the first
 line answers start-up, then one answer per request read from stdin:
     {"op": "extract", "prompts": [[ids]...]}  -> {"ok": true, "files": [safetensors path per prompt]}
-    {"op": "generate", "prompts": [[ids]...], "max_tokens": N, "stop_ids": [...]}
-        -> {"ok": true, "outputs": [[ids]...], "counters": {spec-decode counters, totals so far}}
+    {"op": "generate", "prompts": [[ids]...], "max_tokens": N, "stop_ids": [...], "temperature": T,
+     "top_p": P, "seed": S, "ignore_eos": bool}  (all but the first three optional)
+        -> {"ok": true, "outputs": [[ids]...], "stopped": [bool...], "counters": {spec-decode counters}}
 Failures answer {"ok": false, "error": "..."}. Tokenizer initialisation is skipped: prompts are
 token ids, so the checkpoint's tokenizer code never runs under transformers 5.
 """
@@ -81,29 +82,19 @@ def extract(llm, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int], temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0) -> dict[str, Any]:
-    """05's generations and the spec-decode counters: greedy at temperature 0, else sampled with
-    request i seeded with seed + i."""
+             top_p: float = 1.0, seed: int = 0, ignore_eos: bool = True) -> dict[str, Any]:
+    """Generations stopped at a stop id: greedy at temperature 0, else sampled with request i seeded
+    with seed + i; `stopped` False where the token limit cut one; the spec-decode counters (totals so
+    far). 05 compares with its own decoding, which stops at `stop_ids` only (`ignore_eos`); 00 lets
+    vLLM also stop at the generation config's eos ids, as the target does when served."""
     from vllm import SamplingParams  # vLLM is imported once serve() has started it (see there)
 
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             seed=seed + i if temperature > 0 else None, stop_token_ids=stop_ids, ignore_eos=True,
-                             detokenize=False) for i in range(len(prompts))]
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    return {"outputs": [list(out.outputs[0].token_ids) for out in outputs], "counters": read_counters(llm)}
-
-
-def sample(llm, prompts: list[list[int]], max_tokens: int, stop_ids: list[int], temperature: float, top_p: float,
-           seed: int) -> dict[str, Any]:
-    """Step 00's generations: stopped at a stop id, sampled (temperature 0: greedy), request i seeded
-    with seed + i; `stopped` False where the token limit cut it."""
-    from vllm import SamplingParams  # vLLM is imported once serve() has started it (see there)
-
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + i,
-                             stop_token_ids=stop_ids, detokenize=False) for i in range(len(prompts))]
+                             seed=seed + i if temperature > 0 else None, stop_token_ids=stop_ids,
+                             ignore_eos=ignore_eos, detokenize=False) for i in range(len(prompts))]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     return {"outputs": [list(out.outputs[0].token_ids) for out in outputs],
-            "stopped": [out.outputs[0].finish_reason == "stop" for out in outputs]}
+            "stopped": [out.outputs[0].finish_reason == "stop" for out in outputs], "counters": read_counters(llm)}
 
 
 def answer(channel: TextIO, message: dict[str, Any]) -> None:
@@ -130,12 +121,10 @@ def serve(settings: dict[str, Any], channel: TextIO) -> None:
             start = time.perf_counter()
             if request["op"] == "extract":
                 result = extract(llm, request["prompts"])
-            elif request["op"] == "sample":
-                result = sample(llm, request["prompts"], request["max_tokens"], request["stop_ids"],
-                                request["temperature"], request["top_p"], request["seed"])
             else:
                 result = generate(llm, request["prompts"], request["max_tokens"], request["stop_ids"],
-                                  request.get("temperature", 0.0), request.get("top_p", 1.0), request.get("seed", 0))
+                                  request.get("temperature", 0.0), request.get("top_p", 1.0), request.get("seed", 0),
+                                  request.get("ignore_eos", True))
             answer(channel, {"ok": True, "seconds": time.perf_counter() - start, **result})
         except Exception as e:  # noqa: BLE001 - reported to the pipeline, which names the request
             answer(channel, {"ok": False, "error": first_line(e)})
