@@ -150,9 +150,10 @@ def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class NgramProposer:
-    """Prompt lookup, as vLLM's `ngram` speculative method: find the latest earlier occurrence of
-    the context's last n tokens (n from `max_n` down to `min_n`) and propose the up to k tokens
-    that followed it; propose nothing when no n-gram recurs. A round with nothing proposed is
+    """Prompt lookup, as vLLM's `ngram` speculative method with `prompt_lookup_min=min_n` and
+    `prompt_lookup_max=max_n`: find the earliest occurrence of the context's last n tokens (the
+    largest n that recurs) and propose the up to k tokens that followed it; propose nothing when no
+    n-gram recurs. A round with nothing proposed is
     still a target pass that emits one token, and counts as one (vLLM's counters skip it, which
     would flatter the n-gram method: here acceptance length stays tokens per target pass)."""
 
@@ -172,11 +173,12 @@ class NgramProposer:
 
 
 def ngram_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the last n tokens, for the
-    largest n in [min_n, max_n] that recurs; [] when none does."""
+    """Up to k tokens that followed the earliest occurrence of the last n tokens, for the largest n
+    in [min_n, max_n] that recurs; [] when none does. vLLM's choice (`ngram_proposer.py`): the
+    longest match, and of those the earliest in the context."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
+        for start in range(len(tokens) - n):
             if tokens[start:start + n] == tail:
                 return tokens[start + n:start + n + k]
     return []

@@ -6,7 +6,9 @@ the same test), top-p, n-gram prompt lookup, and the loop measures 05 reports.""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 
 import pytest
 import torch
@@ -34,6 +36,14 @@ from common.target.model import decoder_parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams()
+
+VLLM_NGRAM = """
+import json, sys
+import numpy as np
+from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as propose
+cases = json.load(sys.stdin)
+print(json.dumps([propose(np.array(t, dtype=np.int32), lo, hi, 10**6, k).tolist() for t, lo, hi, k in cases]))
+"""
 
 VOCAB, K, SAMPLES = 6, 3, 20_000
 CHI2_CRITICAL = 66.62  # chi-square, 35 degrees of freedom (6 x 6 cells - 1), p = 0.001
@@ -137,9 +147,9 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert SamplingParams(0.5).probs(logits)[0] > 0.5  # a lower temperature sharpens
 
 
-def test_ngram_lookup_proposes_what_followed_the_latest_match():
+def test_ngram_lookup_proposes_what_followed_the_earliest_longest_match():
     tokens = [7, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2]
-    assert ngram_lookup(tokens, 3, 1, 3) == [4, 5, 1]  # "1 2" last seen before position 9: followed by 4 5 1
+    assert ngram_lookup(tokens, 3, 1, 3) == [3, 9, 1]  # "1 2" first seen at position 1: followed by 3 9 1
     assert ngram_lookup(tokens + [8], 3, 1, 3) == []  # 8 never occurred before
     assert ngram_lookup([3, 4, 3, 4, 3], 2, 2, 3) == [4, 3]  # the longest recurring n wins
     # fed as speculative_generate feeds a proposer: the prompt, then positions 1..P and the first
@@ -151,6 +161,22 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert proposer.propose(K, SamplingParams()).tokens == [6, 7, 5]
     proposer.extend(torch.tensor([6]), None)
     assert proposer.propose(K, SamplingParams()).tokens == [7, 5, 6]
+
+
+def test_ngram_lookup_proposes_what_vllms_ngram_proposer_does(vllm_python):
+    """Against vLLM's own proposer function, on contexts where n-grams recur at several lengths and
+    positions (a 4-token alphabet), for several n ranges and k."""
+    rng = random.Random(0)
+    cases = [([rng.randrange(4) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 4), rng.randrange(3, 6),
+              rng.randrange(1, 6)) for _ in range(300)]
+    cases = [(tokens, min_n, max(min_n, max_n), k) for tokens, min_n, max_n, k in cases]
+    probe = subprocess.run([str(vllm_python), "-c", VLLM_NGRAM], input=json.dumps(cases), capture_output=True,
+                           text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    theirs = json.loads(probe.stdout.splitlines()[-1])
+    ours = [ngram_lookup(tokens, k, min_n, max_n) for tokens, min_n, max_n, k in cases]
+    assert ours == theirs
+    assert sum(map(bool, ours)) > 150  # over half the contexts propose something
 
 
 def test_loop_measures():
