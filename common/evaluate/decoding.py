@@ -153,9 +153,9 @@ class NgramProposer:
     """Prompt lookup, as vLLM's `ngram` speculative method with `prompt_lookup_min=min_n` and
     `prompt_lookup_max=max_n`: find the earliest occurrence of the context's last n tokens (the
     largest n that recurs) and propose the up to k tokens that followed it; propose nothing when no
-    n-gram recurs. A round with nothing proposed is
-    still a target pass that emits one token, and counts as one (vLLM's counters skip it, which
-    would flatter the n-gram method: here acceptance length stays tokens per target pass)."""
+    n-gram recurs. A round with nothing proposed is still a target pass that emits one token, and
+    counts as one (vLLM's counters skip it, which would flatter the n-gram method: here acceptance
+    length stays tokens per target pass)."""
 
     def __init__(self, min_n: int = 1, max_n: int = 3):
         self.min_n, self.max_n = min_n, max_n
