@@ -34,7 +34,7 @@ from pathlib import Path
 
 from common.atomic import format_bytes
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
 from common.hidden_states.capture import (

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.data.fingerprints import prepared_fingerprint
-from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.prepare.fingerprints import prepared_fingerprint
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.defaults import MINIATURE_DRAFT_VOCAB_SIZE
 from common.errors import PipelineError
 from common.target.config import load_target_info

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.data.fingerprints import check_same_prepared
+from common.prepare.fingerprints import check_same_prepared
 from common.draft import patch
 from common.draft.eagle31 import norms_of
 from common.draft.model import (

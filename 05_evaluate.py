@@ -34,7 +34,7 @@ import argparse
 from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.draft import patch
 from common.draft.model import load_draft
 from common.engine_device import Runtime, add_runtime_args

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target
+from common.miniatures.targets import DEMO_CONVERSATIONS, ensure_target
 from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
 from common.target.config import load_target_info
 from common.target.model import load_text_model

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from common.data.prepared_dataset import load_prepared
+from common.prepare.prepared_dataset import load_prepared
 from common.defaults import REPO_ROOT
-from common.fixtures.targets import ensure_target
+from common.miniatures.targets import ensure_target
 from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
 from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import FP32_CHECK, STORAGES

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from common.defaults import FIXTURE_VERSION, TARGET_CACHE
-from common.fixtures.miniature_lm import LMSettings
-from common.fixtures.targets import write_kimi_target
+from common.defaults import MINIATURE_VERSION, TARGET_CACHE
+from common.miniatures.miniature_lm import LMSettings
+from common.miniatures.targets import write_kimi_target
 from common.target.config import load_target_info, weight_map
 from common.target.int4_experts import PACKED_PARAMS, PackedLinear
 from common.target.model import load_text_model
@@ -47,7 +47,7 @@ GOAL = 1.15
 
 def ensure_variant(int4: bool) -> Path:
     """The experts-dominate variant (INT4 or bf16 experts, same weights), written once and cached."""
-    final = TARGET_CACHE / f"bench-experts-{'int4' if int4 else 'bf16'}-v{FIXTURE_VERSION}"
+    final = TARGET_CACHE / f"bench-experts-{'int4' if int4 else 'bf16'}-v{MINIATURE_VERSION}"
     if not (final / "config.json").exists():
         TARGET_CACHE.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=TARGET_CACHE))

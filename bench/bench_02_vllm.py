@@ -26,7 +26,7 @@ import torch
 from datasets import Dataset
 
 from bench.bench_02_extract import demo_samples
-from common.fixtures.targets import ensure_target
+from common.miniatures.targets import ensure_target
 from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
 from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of, worker_fetch

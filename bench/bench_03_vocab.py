@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from common.data.prepared_dataset import PrepareReport, load_prepared
-from common.fixtures.targets import KIMI_VOCAB_SIZE
+from common.prepare.prepared_dataset import PrepareReport, load_prepared
+from common.miniatures.targets import KIMI_VOCAB_SIZE
 from common.vocab import count_supervised_tokens
 
 DEFAULT_SAMPLES = 20_000

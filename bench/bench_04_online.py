@@ -33,7 +33,7 @@ from pathlib import Path
 
 from common.defaults import REPO_ROOT
 from common.draft.model import TINY_CONFIG
-from common.fixtures.targets import DEMO_CONVERSATIONS, ensure_target
+from common.miniatures.targets import DEMO_CONVERSATIONS, ensure_target
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "out" / "online04"
 ENV = {"OMP_NUM_THREADS": "1"}

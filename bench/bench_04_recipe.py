@@ -61,7 +61,7 @@ from bench import upstream_speculators as upstream
 from common.atomic import write_json
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.draft.model import TINY_CONFIG
-from common.fixtures.targets import ensure_target
+from common.miniatures.targets import ensure_target
 
 # 04 as it was before issue 20: configs/draft_tiny.json's lr was 6e-3 then.
 BEFORE = ("--optimizer", "adamw", "--ttt-inputs", "draft", "--init", "torch", "--no-freeze-draft-lm-head",

@@ -48,7 +48,7 @@ from common.atomic import write_json
 from common.defaults import REPO_ROOT
 from common.draft import patch
 from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
-from common.fixtures.targets import ensure_target
+from common.miniatures.targets import ensure_target
 from common.hidden_states.loader import epoch_tokens, load_hidden_states, make_loader, split_data
 from common.target.config import load_target_info
 from common.train import trainer as project_trainer

@@ -24,7 +24,7 @@ import torch
 
 from bench.bench_02_extract import run as run_bench
 from common.defaults import REPO_ROOT
-from common.fixtures.targets import ensure_target
+from common.miniatures.targets import ensure_target
 from common.hidden_states.capture import StateExtractor, verify_samples
 from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import FP32_CHECK

@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from common.atomic import write_json
 from common.draft import patch
 from common.draft.model import KIMI_CONFIG, build_draft, read_config_file, speculator_config
-from common.fixtures.targets import KIMI_TEXT_CONFIG, KIMI_VOCAB_SIZE
+from common.miniatures.targets import KIMI_TEXT_CONFIG, KIMI_VOCAB_SIZE
 from common.target.config import load_target_info
 from common.train.settings import PRECISIONS, TrainSettings
 from common.train.trainer import ProjectTrainer, prepare_draft, trainer_config

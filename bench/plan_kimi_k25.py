@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from common.fixtures.targets import KIMI_TEXT_CONFIG
+from common.miniatures.targets import KIMI_TEXT_CONFIG
 from common.target.device_plan import (
     DevicePlanError,
     activation_headroom,

@@ -52,13 +52,13 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, bool]:
 
 def builtin_target(kind: str = DEFAULT_TARGET_KIND) -> Path:
     """The cached built-in miniature target, built on first use by the fixture program in its own
-    process (so no stage imports the fixtures' LM trainer; its progress goes to this terminal)."""
+    process (so no stage imports the miniatures' LM trainer; its progress goes to this terminal)."""
     path = cached_target_path(kind)
     if not (path / "config.json").exists():
         print(f"building the built-in {kind} miniature target into {path} (once; ~12 minutes on 2 CPU cores)",
               file=sys.stderr)
-        if subprocess.run([sys.executable, "-m", "common.fixtures", kind], cwd=REPO_ROOT).returncode != 0:
-            raise PipelineError(f"building the built-in {kind} target failed (python -m common.fixtures {kind})")
+        if subprocess.run([sys.executable, "-m", "common.miniatures", kind], cwd=REPO_ROOT).returncode != 0:
+            raise PipelineError(f"building the built-in {kind} target failed (python -m common.miniatures {kind})")
     return path
 
 

@@ -1,10 +1,10 @@
 """The built-in defaults every script falls back on: the repository's folders, the shipped demo
 data, the default run folder and where the built-in miniature target is cached.
 
-Production code reads these without importing the fixtures (which pull in the miniature-LM
+Production code reads these without importing the miniatures package (which pull in the miniature-LM
 trainer and compressed-tensors): the cache folder of a built-in target is named by a digest of
 the fixture code and the demo corpus, computed here from the files themselves, and a missing
-target is built by running `python -m common.fixtures KIND` (see `common/cli.py`).
+target is built by running `python -m common.miniatures KIND` (see `common/cli.py`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 # git (other people's text, not shipped with the repository).
 PROMPT_SETS_DIR = DATA_DIR / "prompt_sets"
 
-FIXTURES_DIR = REPO_ROOT / "common" / "fixtures"
+MINIATURES_DIR = REPO_ROOT / "common" / "miniatures"
 TARGET_CACHE = REPO_ROOT / ".cache" / "targets"
-FIXTURE_VERSION = 8  # bump when the generated targets change in a way their code does not show
+MINIATURE_VERSION = 8  # bump when the generated targets change in a way their code does not show
 DEFAULT_TARGET_KIND = "kimi"
 # Draft vocabulary of the built-in default run: the miniature's tokenizer has 4096 BPE tokens, so
 # the usual 32000 would be mostly ids the data never shows, and it would make CPU training ~10x
@@ -37,11 +37,11 @@ def demo_inputs(data_dir: Path = DATA_DIR) -> list[Path]:
     return sorted(data_dir.glob(DEMO_DATA_GLOB))
 
 
-def fixture_key() -> str:
-    """What a generated target depends on: FIXTURE_VERSION, the fixture code (every module of
-    common/fixtures/ and Kimi's config/model/tokenizer code beside it) and every demo corpus file."""
-    h = hashlib.sha256(f"v{FIXTURE_VERSION}".encode())
-    code = sorted(p for p in FIXTURES_DIR.rglob("*") if p.suffix in (".py", ".jinja"))
+def miniature_key() -> str:
+    """What a generated target depends on: MINIATURE_VERSION, the fixture code (every module of
+    common/miniatures/ and Kimi's config/model/tokenizer code beside it) and every demo corpus file."""
+    h = hashlib.sha256(f"v{MINIATURE_VERSION}".encode())
+    code = sorted(p for p in MINIATURES_DIR.rglob("*") if p.suffix in (".py", ".jinja"))
     for path in [*code, *demo_inputs(DATA_DIR)]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
@@ -49,4 +49,4 @@ def fixture_key() -> str:
 
 def cached_target_path(kind: str, cache_dir: Path = TARGET_CACHE) -> Path:
     """Where the cached built-in target of `kind` lives (complete once it holds config.json)."""
-    return cache_dir / f"{kind}-v{FIXTURE_VERSION}-{fixture_key()}"
+    return cache_dir / f"{kind}-v{MINIATURE_VERSION}-{miniature_key()}"

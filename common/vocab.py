@@ -62,7 +62,7 @@ class VocabReport:
     top_tokens: list[dict] = field(default_factory=list)  # [{"id", "count", "share"}], most frequent first
     token_freq_layout: str = FREQ_LAYOUT
     format_version: int = FORMAT_VERSION
-    prepared_fingerprint: str = ""  # common/data/fingerprints.py; "" in folders of earlier versions
+    prepared_fingerprint: str = ""  # common/prepare/fingerprints.py; "" in folders of earlier versions
 
 
 @dataclass

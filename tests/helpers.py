@@ -27,7 +27,7 @@ from datasets import Dataset
 from safetensors.torch import save_file
 
 from common.cli import run_main
-from common.data.prepared_dataset import PrepareReport
+from common.prepare.prepared_dataset import PrepareReport
 from common.defaults import REPO_ROOT
 from common.draft import patch
 from common.draft.model import (

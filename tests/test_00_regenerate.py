@@ -18,9 +18,9 @@ import pytest
 import torch
 from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
 
-from common.data.conversations import Conversation, Message, ToolCall, to_conversation
-from common.data.prepare import PrepareOptions, prepare
-from common.data.prepared_dataset import load_prepared
+from common.prepare.conversations import Conversation, Message, ToolCall, to_conversation
+from common.prepare.prepare import PrepareOptions, prepare
+from common.prepare.prepared_dataset import load_prepared
 from common.defaults import REPO_ROOT
 from common.evaluate.decoding import plain_generate
 from common.regenerate.assistant_output import MalformedToolCall, parse_assistant_text

@@ -1,6 +1,6 @@
 """Step 01 end to end: bad-input counting, the report, truncation, subsets and workers, the
 prepared folder against the masker, the demo data, and the script's output and error exits (the
-readers and masks themselves: tests/common/data/)."""
+readers and masks themselves: tests/common/prepare/)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from helpers import REPO_ROOT, run_in_process, run_script
 
-from common.data.conversations import Conversation, iter_records, resolve_inputs, to_conversation
-from common.data.prepare import PrepareOptions, prepare, summary_lines, warning_lines
-from common.data.prepared_dataset import COLUMNS, PrepareReport, load_prepared
+from common.prepare.conversations import Conversation, iter_records, resolve_inputs, to_conversation
+from common.prepare.prepare import PrepareOptions, prepare, summary_lines, warning_lines
+from common.prepare.prepared_dataset import COLUMNS, PrepareReport, load_prepared
 from common.errors import PipelineError
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

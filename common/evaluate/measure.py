@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from common.atomic import read_json
-from common.data.fingerprints import prepared_fingerprint
+from common.prepare.fingerprints import prepared_fingerprint
 from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
 from common.draft.validation import ValSummary, validation_metrics
 from common.errors import PipelineError

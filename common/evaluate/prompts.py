@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.data.loss_mask import INSTANT_MODE
+from common.prepare.loss_mask import INSTANT_MODE
 from common.errors import PipelineError
 from common.evaluate.prompt_sets import PromptItem
 from common.regenerate.assistant_output import THINK_OPEN, MalformedToolCall, parse_assistant_text

@@ -35,8 +35,8 @@ from common.atomic import (
     read_json,
     write_json,
 )
-from common.data.fingerprints import prepared_fingerprint
-from common.data.prepared_dataset import PrepareReport
+from common.prepare.fingerprints import prepared_fingerprint
+from common.prepare.prepared_dataset import PrepareReport
 from common.errors import PipelineError
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage
 from common.target.config import TargetInfo
@@ -81,7 +81,7 @@ class DataConfig:
     failed: list[dict] = field(default_factory=list)  # {"index", "sample_id", "error"}
     data_format: str = DATA_FORMAT
     format_version: int = FORMAT_VERSION
-    prepared_fingerprint: str = ""  # common/data/fingerprints.py; "" in folders of earlier versions
+    prepared_fingerprint: str = ""  # common/prepare/fingerprints.py; "" in folders of earlier versions
 
     def identity(self) -> dict:
         return {k: getattr(self, k) for k in IDENTITY_FIELDS}

@@ -33,7 +33,7 @@ import torch
 from speculators.train.data import shift_batch
 
 from common.atomic import format_bytes, read_json
-from common.data.prepared_dataset import check_prepared_target, load_prepared
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.engine_device import Runtime
 from common.errors import PipelineError, first_line, skip_limit
 from common.hidden_states.capture import (

@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from common.data.conversations import Message, ToolCall
+from common.prepare.conversations import Message, ToolCall
 
 __all__ = ["THINK_OPEN", "THINK_CLOSE", "ParsedTurn", "MalformedToolCall", "parse_assistant_text"]
 

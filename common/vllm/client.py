@@ -126,7 +126,7 @@ def _int4_moe_on_cpu(info: TargetInfo) -> str | None:
         return None
     return (f"its routed experts are INT4 (compressed-tensors) with {scoring} routing, which no vLLM MoE kernel "
             f"runs on a CPU (its CPU kernels take INT4 experts with {'/'.join(CPU_INT4_MOE_SCORING)} routing only); "
-            "on a CPU use a target with bf16 experts (the miniature: `python -m common.fixtures kimi-bf16`), "
+            "on a CPU use a target with bf16 experts (the miniature: `python -m common.miniatures kimi-bf16`), "
             "or run on a GPU host")
 
 

@@ -212,7 +212,7 @@ def test_config_and_checkpoint_that_disagree_are_refused(kimi_target, tmp_path):
 
 
 def test_bf16_variant_has_the_same_weights_before_quantization(kimi_target):
-    from common.fixtures.targets import ensure_target
+    from common.miniatures.targets import ensure_target
 
     bf16 = ensure_target("kimi-bf16")
     assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())["text_config"]

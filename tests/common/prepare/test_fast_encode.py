@@ -1,11 +1,11 @@
-"""common/data/fast_encode.py: the shortcut each miniature tokenizer gets, its ids against the
+"""common/prepare/fast_encode.py: the shortcut each miniature tokenizer gets, its ids against the
 reference call, markers it reads otherwise routed to the reference, and shortcuts refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.data.fast_encode import BACKEND, ORDINARY, OWN_ENCODE, REFERENCE, FastEncoder
+from common.prepare.fast_encode import BACKEND, ORDINARY, OWN_ENCODE, REFERENCE, FastEncoder
 
 SPECIAL_TEXTS = ("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>",
                  " <|im_end|> <|im_end|><|im_end|>\n<think></think>", "<|im_start|>assistant\n<|endoftext|>")

@@ -43,7 +43,7 @@ is specific to one model; everything is read off the template's own output:
    text the template puts between a role name and its content, read off a user turn); the
    end-of-turn token is the first special token the template puts after an assistant message.
 3. Tokens. The text is tokenized once, through the tokenizer's fastest call that gives the ids of
-   `tokenizer.encode(text, add_special_tokens=False)` (`common.data.fast_encode`; for Kimi its own
+   `tokenizer.encode(text, add_special_tokens=False)` (`common.prepare.fast_encode`; for Kimi its own
    tiktoken `encode(text)`). Tokenizers split added tokens off before anything else, so the
    special ids in the result match, in order, the special tokens found in the text, and the runs
    of ids between them match the text between them (checked on every sample). A span boundary
@@ -66,9 +66,9 @@ from dataclasses import dataclass
 import numpy as np
 from jinja2 import TemplateError
 
-from common.data.chat_template import ChatTemplate
-from common.data.conversations import Message
-from common.data.fast_encode import FastEncoder, literal_pattern
+from common.prepare.chat_template import ChatTemplate
+from common.prepare.conversations import Message
+from common.prepare.fast_encode import FastEncoder, literal_pattern
 from common.errors import PipelineError
 
 __all__ = ["ChatMasker", "Encoded", "MaskError", "Rendering", "template_sha256"]

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from common.data.prepared_dataset import PrepareReport, check_prepared_target
+from common.prepare.prepared_dataset import PrepareReport, check_prepared_target
 from common.errors import PipelineError
 from common.target.config import load_target_info, target_digest
 

@@ -1,4 +1,4 @@
-"""common/data/fingerprints.py: the prepared dataset's fingerprint follows its report and its
+"""common/prepare/fingerprints.py: the prepared dataset's fingerprint follows its report and its
 content, a missing file is named, and outputs of two different runs of 01 are refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.data.fingerprints import check_same_prepared, prepared_fingerprint
+from common.prepare.fingerprints import check_same_prepared, prepared_fingerprint
 from common.errors import PipelineError
 
 

@@ -1,4 +1,4 @@
-"""common/data/conversations.py: every input format, the OpenAI and ShareGPT forms with tool calls,
+"""common/prepare/conversations.py: every input format, the OpenAI and ShareGPT forms with tool calls,
 list content and media, bad records (a reason each) and unreadable files (an error naming them)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, DatasetDict
 
-from common.data.conversations import (
+from common.prepare.conversations import (
     UNDECODABLE,
     Conversation,
     Message,

@@ -1,4 +1,4 @@
-"""common/data/chat_template.py: the same text as `apply_chat_template` on the demo conversations
+"""common/prepare/chat_template.py: the same text as `apply_chat_template` on the demo conversations
 (chats and tool calls) for both miniature targets,
 the sandbox refusing what it refused, and apply_chat_template's own errors off the common path."""
 
@@ -10,8 +10,8 @@ import pytest
 from jinja2.exceptions import SecurityError
 from transformers import AutoTokenizer
 
-from common.data.chat_template import ChatTemplate
-from common.data.conversations import to_conversation
+from common.prepare.chat_template import ChatTemplate
+from common.prepare.conversations import to_conversation
 from common.defaults import demo_inputs
 
 VARIANTS = ({}, {"add_generation_prompt": True}, {"add_generation_prompt": True, "thinking": False},

@@ -46,7 +46,7 @@ class PrepareReport:
     seed: int = 0  # --seed of that subset
     not_selected: int = 0  # valid conversations left out by --max-samples
     drop_examples: dict[str, str] = field(default_factory=dict)  # reason -> first sample and detail
-    # How conversations were rendered and what the kept samples supervise (see common/data/loss_mask.py).
+    # How conversations were rendered and what the kept samples supervise (see common/prepare/loss_mask.py).
     rendering: dict = field(default_factory=dict)  # template switches, generation prompts, policies
     supervised_turns: int = 0  # assistant turns with a loss
     reasoning_turns: int = 0  # ... of which keep their reasoning

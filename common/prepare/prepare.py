@@ -3,7 +3,7 @@
 read (all inputs, validated, bad records counted) -> optional deterministic subset
 (`--max-samples`, `--seed`) -> render + tokenize + mask (`datasets.map`, `--num-proc`
 workers, `--chunk-size` conversations at a time) -> truncate at `--max-len` -> the prepared folder
-of `common.data.prepared_dataset`, written atomically. Intermediate Arrow files live in a work
+of `common.prepare.prepared_dataset`, written atomically. Intermediate Arrow files live in a work
 folder next to the output (`.tmp-NAME.resume/`), so memory stays flat for 500K conversations.
 
 Resume: the work folder outlives an interrupted run (Ctrl-C, SIGTERM, SIGKILL, a full disk). It
@@ -32,7 +32,7 @@ from datasets.exceptions import DatasetGenerationError
 from tqdm import tqdm
 
 from common.atomic import TMP_PREFIX, write_dir, write_error, write_json
-from common.data.conversations import (
+from common.prepare.conversations import (
     Conversation,
     Message,
     Rejection,
@@ -41,8 +41,8 @@ from common.data.conversations import (
     resolve_inputs,
     to_conversation,
 )
-from common.data.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
-from common.data.prepared_dataset import COLUMNS, PrepareReport
+from common.prepare.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
+from common.prepare.prepared_dataset import COLUMNS, PrepareReport
 from common.errors import PipelineError
 from common.target.config import load_target_info, target_digest
 from common.target.tokenizer import load_tokenizer

@@ -1,4 +1,4 @@
-"""common/data/loss_mask.py: masks hand-derived for both miniature targets, template variants and
+"""common/prepare/loss_mask.py: masks hand-derived for both miniature targets, template variants and
 errors, and the ids of long tool-calling conversations (through the fast encode path) against
 `tokenizer.encode(text, add_special_tokens=False)`."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.data.conversations import Message, ToolCall, to_conversation
-from common.data.fast_encode import BACKEND, OWN_ENCODE
-from common.data.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
+from common.prepare.conversations import Message, ToolCall, to_conversation
+from common.prepare.fast_encode import BACKEND, OWN_ENCODE
+from common.prepare.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
 from common.errors import PipelineError
-from common.fixtures.targets import FLAT_CHAT_TEMPLATE
+from common.miniatures.targets import FLAT_CHAT_TEMPLATE
 
 U, A = Message("user", "Hi there"), Message("assistant", "Hello!")
 SYS = Message("system", "Be brief.")
