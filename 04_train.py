@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the rest are computed in every epoch (default: 0, none kept)")
     online.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                         help="--online --engine vllm on GPUs: vLLM's share of each GPU, the rest trains the draft "
-                             "beside it (default: vLLM's 0.9; bench/plan_kimi_k25.py --online prints the share "
+                             "beside it (default: vLLM's 0.9; scripts/plan_kimi_k25.py --online prints the share "
                              "Kimi-K2.5 needs)")
     add_runtime_args(parser, "--online: compute the states", device=False, url=True,
                      url_help="--online --engine vllm: a hidden-state server all ranks share (started with "

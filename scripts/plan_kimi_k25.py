@@ -15,10 +15,10 @@ the tokens/s to expect from the target's prefill FLOPs and the draft's training 
 stated utilisations (estimates, not measurements: bench/gpu_train_full_shape.py measures the draft).
 
 Usage:
-    python bench/plan_kimi_k25.py                                   # 8 x 141 GB (H200), 16384 tokens
-    python bench/plan_kimi_k25.py --gpus 8 --max-memory 96GB        # an 8 x 96 GB host
-    python bench/plan_kimi_k25.py --gpus 1 --max-memory 141GB       # one H200: refused
-    python bench/plan_kimi_k25.py --online [--total-seq-len 8192] [--prefetch 2]
+    python scripts/plan_kimi_k25.py                                   # 8 x 141 GB (H200), 16384 tokens
+    python scripts/plan_kimi_k25.py --gpus 8 --max-memory 96GB        # an 8 x 96 GB host
+    python scripts/plan_kimi_k25.py --gpus 1 --max-memory 141GB       # one H200: refused
+    python scripts/plan_kimi_k25.py --online [--total-seq-len 8192] [--prefetch 2]
 """
 
 from __future__ import annotations
