@@ -29,7 +29,7 @@ own, the upstream rows too: a budget tried on both trainers (in a run folder of 
 variant's folder is reused).
 
 The `upstream-*` variants train the same draft with speculators 0.9.0's own trainer instead of 04,
-on the same rows, vocabulary, shape and budget, in its own environment (bench/upstream_speculators.py;
+on the same rows, vocabulary, shape and budget, in its own environment (bench/upstream/adapter.py;
 run only when .venv-speculators/ exists: scripts/setup_speculators_env.sh), and are measured by 05
 the same way: `upstream-muon` (its defaults but 04's architecture: Muon, draft lm_head frozen),
 `upstream-muon-head` (lm_head trained, as 04 does), `upstream-adamw` (AdamW, lm_head frozen),
@@ -57,7 +57,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import upstream_speculators as upstream
+from bench.upstream import adapter as upstream
 from common.atomic import write_json
 from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.draft.model import TINY_CONFIG
@@ -112,7 +112,7 @@ SHAPE_CHANGES = {"eagle31": {"norm_before_fc": True, "norm_output": True},
                  "eagle31-lk-ttt7": {"norm_before_fc": True, "norm_output": True}}
 DEFAULT_NEW_TOKENS = 64  # 05's own default
 CONTROL = ("control: defaults, noise 0.049", ("--noise-std", "0.049"))
-ALL_VARIANTS = VARIANTS | upstream.VARIANTS  # then speculators 0.9.0's own trainer (bench/upstream_speculators.py)
+ALL_VARIANTS = VARIANTS | upstream.VARIANTS  # then speculators 0.9.0's own trainer (bench/upstream/adapter.py)
 
 
 @dataclass

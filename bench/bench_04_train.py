@@ -10,7 +10,7 @@ draft's bare step on the same batches already in memory; then where 04's step ti
 2. Each repeat, alternating: `04_train.py --epochs 1` (configs/draft_tiny.json otherwise: Muon,
    3 TTT steps fed the dataset's tokens, draft lm_head trained, noise, 1,024-token packs) as a
    subprocess, its epoch's tokens/s from train_report.json; upstream's trainer on the same rows
-   (bench/upstream_speculators.py: its own environment .venv-speculators/, created by
+   (bench/upstream/adapter.py: its own environment .venv-speculators/, created by
    scripts/setup_speculators_env.sh, or by `--setup-upstream`; its variant `upstream-muon-head`, the same recipe) for one
    epoch, timed around its `train_epoch`; and the bare step: the draft and optimizer as 04 builds
    them, forward + backward + clip + optimizer + schedule over the epoch's collated batches held
@@ -42,14 +42,14 @@ from pathlib import Path
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from bench import upstream_speculators as upstream
 from bench.bench_04_recipe import prepare, target_args
+from bench.upstream import adapter as upstream
 from common.atomic import write_json
 from common.defaults import REPO_ROOT
 from common.draft import patch
 from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
-from common.miniatures.targets import ensure_target
 from common.hidden_states.loader import epoch_tokens, load_hidden_states, make_loader, split_data
+from common.miniatures.targets import ensure_target
 from common.target.config import load_target_info
 from common.train import trainer as project_trainer
 from common.train.optimizers import build_optimizer, build_scheduler

@@ -11,7 +11,7 @@ on the same data, vocabulary, draft shape and budget as 04, then served by 05 li
    stores the final state after the target's norm (the lm_head's input) while upstream applies
    the target's norm itself (`verifier_norm`), so the last state is divided by the norm's weight:
    RMSNorm is scale-invariant, so upstream's norm of it gives 02's state back.
-2. `train`: bench/upstream_train.py in that environment (its trainer, patched for CPU there).
+2. `train`: bench/upstream/train.py in that environment (its trainer, patched for CPU there).
 3. `export`: the last epoch's checkpoint renamed into 04's draft folder format (speculators 0.3.0
    config, bf16, d2t/t2d, 04's `validation_split.json`), which 05 and vLLM load like 04's drafts.
 
@@ -45,6 +45,7 @@ from common.train.settings import TrainSettings
 from common.vocab import load_vocab
 
 UPSTREAM_PYTHON = REPO_ROOT / ".venv-speculators" / "bin" / "python"
+TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")  # run by UPSTREAM_PYTHON
 SETUP = "scripts/setup_speculators_env.sh"
 DATA_DIR = "upstream-data"
 LAYER_CONFIG = "draft_layer_config.json"
@@ -54,7 +55,7 @@ LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads", "head_dim", "hidden_act", "vocab_size", "rms_norm_eps", "rope_theta",
               "rope_scaling", "max_position_embeddings", "initializer_range", "attention_bias", "mlp_bias",
               "tie_word_embeddings")
-# Its flags for the CPU (see bench/upstream_train.py), and 04's architecture (module docstring).
+# Its flags for the CPU (see bench/upstream/train.py), and 04's architecture (module docstring).
 CPU_FLAGS = ("--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32",
              "--num-workers", "0")
 ARCHITECTURE_FLAGS = ("--no-norm-before-fc", "--no-norm-output")
@@ -184,11 +185,11 @@ def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed:
 
 
 def run_trainer(out: Path, args: list[str]) -> Path:
-    """bench/upstream_train.py with `args` in upstream's environment; its last checkpoint."""
+    """bench/upstream/train.py with `args` in upstream's environment; its last checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "upstream_train.log"
     with log.open("w") as f:
-        proc = subprocess.run([str(UPSTREAM_PYTHON), str(REPO_ROOT / "bench" / "upstream_train.py"), *args],
+        proc = subprocess.run([str(UPSTREAM_PYTHON), str(TRAIN_SCRIPT), *args],
                               cwd=out, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"TQDM_DISABLE": "1"},
                               check=False)
     done = last_checkpoint(out)

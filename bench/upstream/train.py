@@ -1,9 +1,9 @@
 """Run upstream speculators' own trainer (`python -m speculators.train`, 0.9.0) on CPU.
 
-    .venv-speculators/bin/python bench/upstream_train.py [--trainable-lm-head] [--epoch-seconds FILE]
+    .venv-speculators/bin/python bench/upstream/train.py [--trainable-lm-head] [--epoch-seconds FILE]
         SPECULATORS_TRAIN_FLAGS...
 
-Run by bench/upstream_speculators.py in upstream's environment (scripts/setup_speculators_env.sh),
+Run by bench/upstream/adapter.py in upstream's environment (scripts/setup_speculators_env.sh),
 never imported by the project: it needs speculators 0.9.0, which cannot share a process with 04's
 0.3.0. Its installed files are not edited; the few things that assume a GPU are patched here, in
 this process only, before its entry point runs:
