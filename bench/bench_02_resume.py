@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import io
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 from tqdm import tqdm
 
+from bench.timing import median_seconds
 from common.hidden_states.journal import Journal, find_done, ids_digest, journal_path
 from common.hidden_states.state_files import file_digest, sample_path
 
@@ -58,27 +57,18 @@ def write_folder(root: Path, samples: int):
     return Dataset(pa.table({"input_ids": column}))
 
 
-def _median_seconds(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def run(samples: int = DEFAULT_SAMPLES, repeats: int = 3) -> dict:
     """Time both scans on one folder; return the figures (seconds are medians)."""
     with tempfile.TemporaryDirectory(prefix="bench02r-") as tmp:
         root = Path(tmp) / "hidden_states"
         ds = write_folder(root, samples)
         indices = set(range(samples))
-        ours, (done, _) = _median_seconds(lambda: find_done(root, ds, indices, HIDDEN), repeats)
+        ours, (done, _) = median_seconds(lambda: find_done(root, ds, indices, HIDDEN), repeats)
         assert len(done) == samples, "the journal scan must keep every file"
-        verify, (done, _) = _median_seconds(lambda: find_done(root, ds, indices, HIDDEN, verify=True), repeats)
+        verify, (done, _) = median_seconds(lambda: find_done(root, ds, indices, HIDDEN, verify=True), repeats)
         assert len(done) == samples, "--verify must keep every intact file"
         aside = journal_path(root, 0, 1).rename(Path(tmp) / "journal.jsonl")
-        reference, (done, _) = _median_seconds(lambda: find_done(root, ds, indices, HIDDEN), repeats)
+        reference, (done, _) = median_seconds(lambda: find_done(root, ds, indices, HIDDEN), repeats)
         assert len(done) == samples and aside.is_file(), "the loading scan must keep every file"
     return {"samples": samples, "ours_seconds": ours, "reference_seconds": reference, "ratio": reference / ours,
             "verify_seconds": verify}

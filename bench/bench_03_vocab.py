@@ -11,18 +11,17 @@ times both counters side by side, checks they agree, and prints medians and thei
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from common.prepare.prepared_dataset import PrepareReport, load_prepared
+from bench.timing import median_seconds
 from common.miniatures.targets import KIMI_VOCAB_SIZE
+from common.prepare.prepared_dataset import PrepareReport, load_prepared
 from common.vocab import count_supervised_tokens
 
 DEFAULT_SAMPLES = 20_000
@@ -59,15 +58,6 @@ def write_synthetic_prepared(folder: Path, samples: int, vocab_size: int = KIMI_
     return total
 
 
-def _median_seconds(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def run(samples: int = DEFAULT_SAMPLES, repeats: int = 3) -> dict:
     """Time both counters on one synthetic set; return the figures (seconds are medians)."""
     from speculators.train.vocab_mapping import save_token_frequency_distribution
@@ -77,7 +67,7 @@ def run(samples: int = DEFAULT_SAMPLES, repeats: int = 3) -> dict:
         tokens = write_synthetic_prepared(folder, samples)
         ds, report = load_prepared(folder)
 
-        ours_s, ours = _median_seconds(
+        ours_s, ours = median_seconds(
             lambda: count_supervised_tokens(ds, report.vocab_size, progress=False), repeats)
 
         runs = iter(range(repeats))  # the library returns early if its output file exists: one per run
@@ -86,7 +76,7 @@ def run(samples: int = DEFAULT_SAMPLES, repeats: int = 3) -> dict:
             path = save_token_frequency_distribution(ds.with_format("torch"), f"{tmp}/freq-{next(runs)}.pt")
             return torch.load(path, weights_only=True)
 
-        lib_s, theirs = _median_seconds(library, repeats)
+        lib_s, theirs = median_seconds(library, repeats)
 
     agree = {int(i): int(ours[i]) for i in ours.nonzero().flatten()} == theirs
     return {"samples": samples, "tokens": tokens, "supervised_tokens": int(ours.sum()), "repeats": repeats,
