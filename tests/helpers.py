@@ -25,13 +25,18 @@ from types import ModuleType
 import torch
 from datasets import Dataset
 from safetensors.torch import save_file
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.eagle3 import core as eagle3_core
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from common.cli import run_main
 from common.prepare.prepared_dataset import PrepareReport
 from common.defaults import REPO_ROOT
 from common.draft import patch
+from common.draft.loss import DraftLoss
 from common.draft.model import (
     TINY_CONFIG,
+    DraftShape,
     build_draft,
     export_draft,
     read_config_file,
@@ -286,3 +291,50 @@ def assert_same_files(folder: Path, reference: Path) -> None:
 def folder_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --- the library's own drafts, small (tests/common/draft) ----------------------------------------
+
+# The shape and draft vocabulary of make_draft's drafts.
+DRAFT_SHAPE = DraftShape(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128)
+SMALL_DRAFT_VOCAB = 256
+
+
+def vocab_maps(vocab_size: int, draft_vocab: int = SMALL_DRAFT_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t2d, d2t) keeping every third id, through speculators' own mapping function."""
+    counts = {i * 3: 1 for i in range(draft_vocab)}
+    d2t, t2d = build_vocab_mappings_from_distribution(counts, draft_vocab, vocab_size)
+    return t2d, d2t
+
+
+def make_draft(target, shape: DraftShape = DRAFT_SHAPE, t2d_size: int | None = None) -> Eagle3DraftModel:
+    """An untrained draft on `target`, built by the library's constructor (so through whichever
+    `_setup_embeddings_and_lm_heads` is installed), with every third id in its vocabulary."""
+    info = load_target_info(target, trust_remote_code=True)
+    t2d, d2t = vocab_maps(t2d_size or info.vocab_size)
+    config = speculator_config(shape, info, SMALL_DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
+    torch.manual_seed(0)
+    return Eagle3DraftModel(config, t2d, d2t)
+
+
+def draft_inputs(seq: int = 256, hidden: int = 64, vocab: int = 4000) -> dict:
+    """The keyword arguments of a draft's forward: three packed samples, then padding, 3 TTT steps."""
+    g = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.randn(1, seq, 3 * hidden, generator=g),
+            "input_ids": torch.randint(0, vocab, (1, seq), generator=g),
+            "lengths": torch.tensor([100, 120, 30]),  # three packed samples, then padding
+            "loss_mask": torch.ones(1, seq, dtype=torch.long),
+            "position_ids": torch.arange(seq).unsqueeze(0),
+            "verifier_last_hidden_states": torch.randn(1, seq, hidden, generator=g),
+            "ttt_steps": 3}
+
+
+def installed_loss() -> DraftLoss | None:
+    """The `DraftLoss` whose `compute_metrics` `patch.apply` installed into the library, or None
+    where it left the library's own function."""
+    metrics = eagle3_core.compute_metrics
+    if metrics is patch.ORIGINAL_COMPUTE_METRICS:
+        return None
+    assert getattr(metrics, "__func__", None) is DraftLoss.compute_metrics, metrics
+    return metrics.__self__

@@ -32,18 +32,9 @@ with other arguments replaces the earlier choice. What it installs:
    view of `torch.distributed` whose `reduce` does AVG as SUM divided by the world size where
    the backend lacks it; everything else is `torch.distributed` itself.
 
-6. The draft's loss (`compute_metrics`, once per TTT step) takes the softmax of the verifier's
-   logits and their argmax again at every step, and writes its KL divergence as a [tokens,
-   vocabulary] product, masked element by element, for the loss to sum. Ours computes the
-   softmax, the target entropy term and the argmax once per batch and slices them per step
-   (softmax and argmax work row by row, so a row's values are the same), and masks per token
-   after summing over the vocabulary. The gradients are bitwise the library's (the same products
-   in the same order: see `kl_loss`); the loss value it logs differs from the library's by float
-   rounding of the sum. It also offers the losses aimed at acceptance itself (`LOSSES`, chosen
-   with `apply(loss=...)`, defined in `divergence`), which 0.3.0 lacks, and a temperature for the
-   verifier's distribution (`apply(target_temperature=...)`, see `verifier_targets`). Compiled
-   with the KL loss at temperature 1, the library's function stays: the compiler fuses its
-   elementwise work itself.
+6. The draft's loss (`compute_metrics`, once per TTT step) is a `common.draft.loss.DraftLoss`'s, chosen
+   with `apply(loss=..., target_temperature=...)` (see that module); compiled with the KL loss at
+   temperature 1, the library's function stays.
 
 The EAGLE-3.1 norms (speculators 0.9.0's `norm_before_fc` / `norm_output`) are hooks on one draft,
 not a patch of the library: see `common.draft.eagle31`.
@@ -54,12 +45,10 @@ the Trainer is configured: see `trainer_device`.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +61,7 @@ from speculators.train import checkpointer as library_checkpointer
 from speculators.train import trainer as library_trainer
 from torch.nn.attention.flex_attention import BlockMask
 
+from common.draft.loss import DraftLoss
 from common.target.config import TargetError, load_target_info, read_tensors, weight_map
 
 ATTENTION_NAME = "simple_flex_attention"  # the name speculators' draft layers are configured with
@@ -91,22 +81,17 @@ def apply(*, trust_remote_code: bool = False, compile_forward: bool = True, loss
           target_temperature: float = 1.0) -> None:
     """Install the fixes above. `trust_remote_code` is used to read the target's config
     (Kimi-K2.5's is remote code); `compile_forward=False` runs the draft's forward eagerly;
-    `loss` is the divergence the draft trains on (one of `LOSSES`, see `divergence`), toward the
-    verifier's distribution at `target_temperature` (see `verifier_targets`)."""
-    global _loss, _target_temperature, _targets
-    if loss not in LOSSES:
-        raise ValueError(f"loss {loss!r}: expected one of {', '.join(LOSSES)}")
-    if not target_temperature > 0:
-        raise ValueError(f"target_temperature {target_temperature}: must be positive")
-    _loss, _target_temperature = loss, float(target_temperature)
-    _targets = None  # made under the earlier choice
-    library_loss = compile_forward and loss == "kl" and _target_temperature == 1.0
+    `loss` is the divergence the draft trains on, toward the verifier's distribution at
+    `target_temperature` (see `common.draft.loss.DraftLoss`, which refuses other values). A new
+    `DraftLoss` each time: no batch's targets made under an earlier choice are kept."""
+    draft_loss = DraftLoss(loss, target_temperature)
     Eagle3DraftModel._setup_embeddings_and_lm_heads = _make_setup(trust_remote_code)
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention_forward)
     library_trainer.SingleGPUCheckpointer = DeviceAgnosticCheckpointer
     Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
     library_trainer.dist = AVERAGING_DIST
-    library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if library_loss else compute_metrics
+    library_loss = compile_forward and draft_loss.is_library_loss
+    library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if library_loss else draft_loss.compute_metrics
     library_core.create_block_mask = ORIGINAL_CREATE_BLOCK_MASK if compile_forward else create_block_mask
 
 
@@ -307,139 +292,3 @@ class _AveragingDistributed:
 
 
 AVERAGING_DIST = _AveragingDistributed()
-
-
-# --- 6. the loss: the verifier's softmax once per batch, and the choice of divergence ---
-
-LOSSES = ("kl", "tv", "lk", "lk-hybrid", "jsd", "rkl")
-LK_HYBRID_ETA = 3.0  # the LK paper's best hybrid setting (arXiv 2602.23881), upstream's default
-OVERLAP_FLOOR = 1e-5  # -log of the overlap is taken at no less than this (upstream's `_NLA_EPS`)
-_loss = "kl"  # set by `apply(loss=...)`
-_target_temperature = 1.0  # set by `apply(target_temperature=...)`
-
-
-class VerifierTargets(NamedTuple):
-    """What every TTT step of one batch reads from the verifier's logits [1, T, V]: their softmax,
-    the per-token sum of p log p (the KL divergence's entropy term), the argmax, and (for the
-    losses that need it) their log-softmax."""
-
-    p: torch.Tensor
-    p_log_p: torch.Tensor
-    ids: torch.Tensor
-    log_p: torch.Tensor | None
-
-
-def verifier_targets(logits: torch.Tensor) -> VerifierTargets:
-    """The targets of one batch, from the verifier's distribution at `_target_temperature`:
-    p = softmax(logits / T). Below 1 it is sharpened toward the verifier's argmax, the token
-    that decides acceptance where the draft proposes its own argmax (vLLM's default draft
-    sampling: the rejection sampler then accepts it with the verifier's probability of it, at
-    any serving temperature), while keeping the rest of the distribution's ranking. The argmax,
-    and so the accuracies, do not depend on T."""
-    scaled = logits if _target_temperature == 1.0 else logits / _target_temperature
-    p = torch.softmax(scaled, dim=-1)
-    return VerifierTargets(p=p, p_log_p=torch.special.xlogy(p, p).sum(-1),  # [1, T]; 0 where p underflows to 0
-                           ids=torch.argmax(logits, dim=-1),
-                           log_p=torch.log_softmax(scaled, dim=-1) if _loss in ("jsd", "rkl") else None)
-
-
-# The batch's, with a weak reference to the logits they come from: the forward passes the same
-# logits tensor to every TTT step.
-_targets: tuple[weakref.ref, VerifierTargets] | None = None
-
-
-def targets_of(logits: torch.Tensor) -> VerifierTargets:
-    """The batch's `VerifierTargets`, made at its first TTT step. A compiled forward makes them
-    at every step (the compiler fuses that work itself, and a cache is not traceable)."""
-    global _targets
-    if torch.compiler.is_compiling():
-        return verifier_targets(logits)
-    if _targets is None or _targets[0]() is not logits:
-        _targets = None  # the last batch's are freed before the new ones are made
-        _targets = (weakref.ref(logits), verifier_targets(logits))
-    return _targets[1]
-
-
-def masked_mean(per_token: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """The library's reduction: the sum over the masked tokens divided by their count (+1e-5)."""
-    if loss_mask is not None:
-        per_token = per_token * loss_mask
-        denominator: torch.Tensor | int = loss_mask.sum(dim=1) + 1e-5
-    else:
-        denominator = per_token.shape[1]
-    return (per_token.sum(dim=1) / denominator).mean()
-
-
-def kl_loss(logits: torch.Tensor, p: torch.Tensor, p_log_p: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """The library's `loss_function` (KL(p || softmax(logits)), summed over the vocabulary and the
-    masked tokens, divided by their count). Its backward reaches `log_softmax` as
-    `-p * (g / denominator * mask)`, the product the library's `kl_div` backward forms: a 0/1
-    mask multiplies the same scalar on either side, so the gradients are the same bits."""
-    cross = (p * F.log_softmax(logits, dim=-1)).sum(-1)  # [1, T']
-    return masked_mean(p_log_p - cross, loss_mask)
-
-
-def divergence(name: str, logits: torch.Tensor, t: VerifierTargets, step: int) -> torch.Tensor:
-    """Per token [1, T'], between the verifier's p (the batch's targets from TTT step `step` on)
-    and the draft's q = softmax(logits), as speculators 0.9.0's `losses/eager.py` defines them:
-    - tv: total variation 1 - sum_v min(p_v, q_v). The acceptance probability of speculative
-      sampling is sum_v min(p_v, q_v) = 1 - TV(p, q) (Leviathan et al. 2023, Thm 3.5).
-    - lk: -log sum_v min(p_v, q_v), the negative log acceptance rate: the LK^alpha loss of
-      "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding" (Samarin et al.,
-      arXiv 2602.23881; upstream's "nla"); its gradient is TV's divided by the acceptance rate, so
-      it does not vanish while the draft is far from the target.
-    - lk-hybrid: lambda KL(p || q) + (1 - lambda) TV(p, q), lambda = exp(-eta sg(alpha)) with
-      eta 3: the same paper's LK^lambda, KL's gradient early, TV's as acceptance grows.
-    - jsd: 0.5 KL(p || m) + 0.5 KL(q || m), m = (p + q) / 2 (Lin 1991).
-    - rkl: reverse KL(q || p), mode-seeking."""
-    p = t.p[:, step:]
-    if name in ("tv", "lk", "lk-hybrid"):
-        overlap = torch.minimum(torch.softmax(logits, dim=-1), p).sum(-1)
-        if name == "tv":
-            return 1.0 - overlap
-        if name == "lk":
-            return -torch.log(overlap.clamp_min(OVERLAP_FLOOR))
-        kl = t.p_log_p[:, step:] - (p * F.log_softmax(logits, dim=-1)).sum(-1)
-        weight = torch.exp(-LK_HYBRID_ETA * overlap.detach())
-        return weight * kl + (1.0 - weight) * (1.0 - overlap)
-    log_q, log_p = F.log_softmax(logits, dim=-1), t.log_p[:, step:]
-    if name == "rkl":
-        return (log_q.exp() * (log_q - log_p)).sum(-1)
-    log_m = torch.logaddexp(log_q, log_p) - math.log(2.0)
-    return 0.5 * ((p * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1))
-
-
-def step_loss(logits: torch.Tensor, t: VerifierTargets, step: int, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """One TTT step's loss under the chosen divergence (`apply(loss=...)`)."""
-    if _loss == "kl":
-        return kl_loss(logits, t.p[:, step:], t.p_log_p[:, step:], loss_mask)
-    return masked_mean(divergence(_loss, logits, t, step), loss_mask)
-
-
-@torch.no_grad()
-def accuracy(logits: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor | None,
-             prev_correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The library's `compute_accuracy`, given the verifier's argmax instead of its logits."""
-    correct = torch.argmax(logits, dim=-1) == target_ids
-    cond_denom: torch.Tensor | int = correct.numel()
-    if prev_correct is not None:
-        cond_denom = prev_correct.sum()
-        correct = torch.logical_and(prev_correct, correct, out=prev_correct)  # in place, as the library's
-    if loss_mask is not None:
-        correct = torch.masked_select(correct, loss_mask.to(torch.bool))
-    correct_sum = correct.float().sum()
-    return correct_sum / (correct.numel() + 1e-5), correct_sum / (cond_denom + 1e-5)
-
-
-def compute_metrics(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
-                    prev_correct: torch.Tensor | None, ttt_step: int,
-                    ttt_step_loss_decay: float) -> tuple[torch.Tensor, dict]:
-    """The library's `compute_metrics` (same arguments, results and in-place update of
-    `prev_correct`) over the batch's `VerifierTargets`, sliced to the step, with the chosen loss."""
-    t = targets_of(targets)
-    s_logits, _, s_loss_mask, s_prev_correct = library_core.align_for_step(logits, targets, loss_mask, prev_correct,
-                                                                           ttt_step)
-    s_loss = ttt_step_loss_decay**ttt_step * step_loss(s_logits, t, ttt_step, s_loss_mask)
-    full_acc, cond_acc = accuracy(s_logits, t.ids[:, ttt_step:], s_loss_mask, s_prev_correct)
-    return s_loss, {f"loss_{ttt_step}": s_loss.detach().clone(), f"full_acc_{ttt_step}": full_acc,
-                    f"cond_acc_{ttt_step}": cond_acc}

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from common.draft.loss import LOSSES
 from common.draft.model import DraftConfigFile, checked_fields
-from common.draft.patch import LOSSES
 from common.errors import PipelineError
 
 SCHEDULERS = ("linear", "cosine", "none")

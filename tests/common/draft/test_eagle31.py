@@ -9,14 +9,14 @@ import json
 
 import pytest
 import torch
+from helpers import DRAFT_SHAPE, SMALL_DRAFT_VOCAB, make_draft
 from safetensors.torch import save_file
-from test_patch import DRAFT_VOCAB, SHAPE, make_draft
 
 from common.draft import eagle31, patch
 from common.draft.model import config_differences, export_draft, load_draft, read_saved_config, speculator_config
 from common.target.config import load_target_info
 
-EAGLE31 = dataclasses.replace(SHAPE, norm_before_fc=True, norm_output=True)
+EAGLE31 = dataclasses.replace(DRAFT_SHAPE, norm_before_fc=True, norm_output=True)
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +72,7 @@ def test_config_vllm_reads_and_the_exported_draft_round_trip(flat_target, tmp_pa
     model = make_draft(flat_target, EAGLE31)
     eagle31.install(model, norm_before_fc=True, norm_output=True)
     randomise_norms(model)
-    config = speculator_config(EAGLE31, info, DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=5)
+    config = speculator_config(EAGLE31, info, SMALL_DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=5)
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(checkpoint / "model.safetensors"))
@@ -90,8 +90,8 @@ def test_config_vllm_reads_and_the_exported_draft_round_trip(flat_target, tmp_pa
 
 def test_a_draft_of_the_other_shape_differs_for_resume(flat_target):
     info = load_target_info(flat_target, trust_remote_code=True)
-    plain = speculator_config(SHAPE, info, DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
-    normed = speculator_config(EAGLE31, info, DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
+    plain = speculator_config(DRAFT_SHAPE, info, SMALL_DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
+    normed = speculator_config(EAGLE31, info, SMALL_DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
     assert config_differences(plain, normed) == ["norm_before_fc False there, True now",
                                                  "norm_output False there, True now"]
     assert config_differences(normed, normed) == []
@@ -99,7 +99,7 @@ def test_a_draft_of_the_other_shape_differs_for_resume(flat_target):
 
 def test_drafts_saved_before_the_norms_load_without_them(flat_target, tmp_path):
     info = load_target_info(flat_target, trust_remote_code=True)
-    config = speculator_config(SHAPE, info, DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
+    config = speculator_config(DRAFT_SHAPE, info, SMALL_DRAFT_VOCAB, info.default_layer_ids(), speculative_tokens=3)
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     for key in eagle31.NORMS:  # as written before EAGLE-3.1: no such keys

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DRAFT_SHAPE
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_patch import SHAPE
 
 from common.draft import patch
 from common.draft.model import build_draft, export_draft, identity_maps, load_draft, speculator_config
@@ -28,7 +28,7 @@ def exported(target, folder, draft_vocab: int) -> tuple[torch.nn.Module, dict[st
     info = load_target_info(target, trust_remote_code=True)
     counts = torch.arange(info.vocab_size, 0, -1)
     d2t, t2d = build_maps(counts, draft_vocab)
-    config = speculator_config(SHAPE, info, draft_vocab, info.default_layer_ids(), speculative_tokens=3)
+    config = speculator_config(DRAFT_SHAPE, info, draft_vocab, info.default_layer_ids(), speculative_tokens=3)
     torch.manual_seed(0)
     model = build_draft(config, t2d, d2t)
     checkpoint = folder.parent / f"{folder.name}-checkpoint"
