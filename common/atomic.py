@@ -106,6 +106,18 @@ def read_json(path: str | Path) -> Any:
         raise PipelineError(f"{path}: not valid JSON ({e})") from e
 
 
+def read_stage_report(path: str | Path, format_version: int, missing: str | None = None) -> dict:
+    """A stage's JSON report (`read_json`) of the folder format `format_version`; another version is a
+    `PipelineError` naming both. With `missing`, no file at `path` is a `PipelineError` of that message."""
+    path = Path(path)
+    if missing is not None and not path.is_file():
+        raise PipelineError(missing)
+    data = read_json(path)
+    if data.get("format_version") != format_version:
+        raise PipelineError(f"{path}: format version {data.get('format_version')}, expected {format_version}")
+    return data
+
+
 def torch_save(obj: Any, path: str | Path) -> None:
     with atomic_path(path) as tmp:
         save_whole(obj, tmp)

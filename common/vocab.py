@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import torch
 from tqdm import tqdm
 
-from common.atomic import read_json, torch_save, write_dir, write_json
+from common.atomic import read_stage_report, torch_save, write_dir, write_json
 from common.errors import PipelineError
 
 __all__ = [
@@ -192,10 +192,7 @@ def load_vocab(folder: str | Path, target_vocab_size: int | None = None) -> Voca
     missing = [f for f in (REPORT_FILE, T2D_FILE, D2T_FILE) if not (folder / f).is_file()]
     if missing:
         raise PipelineError(f"vocabulary {folder}: {', '.join(missing)} missing (run 03_build_vocab_map.py first)")
-    data = read_json(folder / REPORT_FILE)
-    if data.get("format_version") != FORMAT_VERSION:
-        raise PipelineError(f"{folder / REPORT_FILE}: format version {data.get('format_version')}, "
-                            f"expected {FORMAT_VERSION}")
+    data = read_stage_report(folder / REPORT_FILE, FORMAT_VERSION)
     report = VocabReport(**{k: v for k, v in data.items() if k in VocabReport.__dataclass_fields__})
     d2t, t2d = _load_map(folder / D2T_FILE), _load_map(folder / T2D_FILE)
     if target_vocab_size is not None and t2d.numel() != target_vocab_size:

@@ -31,14 +31,10 @@ from pathlib import Path
 
 import torch
 
-from common.atomic import (
-    read_json,
-    write_json,
-)
+from common.atomic import read_stage_report, write_json
+from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage
 from common.prepare.fingerprints import prepared_fingerprint
 from common.prepare.prepared_dataset import PrepareReport
-from common.errors import PipelineError
-from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES, StateStorage
 from common.target.config import TargetInfo
 
 FORMAT_VERSION = 1
@@ -95,13 +91,9 @@ class DataConfig:
 
     @classmethod
     def load(cls, folder: str | Path) -> DataConfig:
-        path = Path(folder) / DATA_CONFIG
-        if not path.is_file():
-            raise PipelineError(f"hidden states {folder}: no {DATA_CONFIG} (run 02_extract_hidden_states.py first)")
-        data = read_json(path)
-        if data.get("format_version") != FORMAT_VERSION:
-            raise PipelineError(f"{path}: format version {data.get('format_version')}, expected {FORMAT_VERSION}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_stage_report(
+            Path(folder) / DATA_CONFIG, FORMAT_VERSION,
+            missing=f"hidden states {folder}: no {DATA_CONFIG} (run 02_extract_hidden_states.py first)"))
 
 
 def package_versions() -> dict[str, str]:

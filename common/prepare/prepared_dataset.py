@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 from datasets import load_from_disk
 
-from common.atomic import read_json, write_json
+from common.atomic import read_stage_report, write_json
 from common.errors import PipelineError
 from common.target.config import target_digest
 
@@ -65,12 +65,8 @@ class PrepareReport:
 
     @classmethod
     def load(cls, folder: str | Path) -> PrepareReport:
-        path = Path(folder) / REPORT_FILE
-        if not path.is_file():
-            raise PipelineError(f"prepared dataset {folder}: no {REPORT_FILE} (run 01_prepare_data.py first)")
-        data = read_json(path)
-        if data.get("format_version") != FORMAT_VERSION:
-            raise PipelineError(f"{path}: format version {data.get('format_version')}, expected {FORMAT_VERSION}")
+        data = read_stage_report(Path(folder) / REPORT_FILE, FORMAT_VERSION,
+                                 missing=f"prepared dataset {folder}: no {REPORT_FILE} (run 01_prepare_data.py first)")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
