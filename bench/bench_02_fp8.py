@@ -21,7 +21,7 @@ the demo conversations) or on `--target`/`--input`:
    stored states, ||stored - s|| / ||s|| over all tokens of each state, where s is the same
    capture kept in float32 (the largest of the four states is shown).
 
-Goals (issue 14): hidden-state bytes per token, scales included, <= 0.53 of bf16; 04's
+Goals: hidden-state bytes per token, scales included, <= 0.53 of bf16; 04's
 validation simulated acceptance length and 05's measured acceptance length within 1% of the
 bf16 run's; extraction tokens/s not lower. Goals are checked on unrounded values; exit 1 if one
 is missed.

@@ -1,5 +1,5 @@
 """Benchmark of step 02's restart: the resume scan over an output folder of many finished files,
-reading the journal (ours) against loading every file (the scan before the journal existed).
+reading the journal (ours) against loading every file (the scan without a journal).
 
     python bench/bench_02_resume.py [--samples 100000] [--repeats 3]
 
@@ -7,9 +7,8 @@ Writes `--samples` tiny sample files (32 tokens, hidden size 8, in 02's folder l
 prepared rows and a journal as 02 writes it, into a temporary folder; then times `find_done`
 (the whole scan: listing the folder, then deciding which files to keep) with the journal, with
 `--verify` (every file re-read and its digest compared), and with the journal moved aside, which
-makes it load and check every file as before. Both runs
-read a warm page cache (the files were just written): on a cold network disk the loads cost
-more, the journal's one `stat` per file less.
+makes it load and check every file. Both runs read a warm page cache (the files were just
+written): on a cold network disk the loads cost more, the journal's one `stat` per file less.
 """
 
 from __future__ import annotations

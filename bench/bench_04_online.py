@@ -4,7 +4,7 @@ run on the same prepared rows, vocabulary, settings and seeds.
     python bench/bench_04_online.py [--target flat|kimi] [--samples 200] [--seeds 0 1 2]
         [--engine hf|vllm] [--epochs 2] [--json FILE]
 
-Measures, as issue "04 trains online" asks:
+Measures:
 - disk: bytes 02 writes for 04 offline vs bytes 04 --online writes outside its checkpoints and draft
   (goal: at most 1%); with --max-disk at a third of 02's bytes, the kept folder against the budget;
 - same draft: 02 and 04 --online with one sample per forward pass (--batch-tokens 1: the same

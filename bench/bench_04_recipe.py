@@ -36,12 +36,12 @@ the same way: `upstream-muon` (its defaults but 04's architecture: Muon, draft l
 `upstream-31-head` (its eagle3 defaults with EAGLE-3.1's norms, lm_head trained) and
 `upstream-31-head-lk` (the same with its LK loss, `nla`).
 
-Variants of 04, issue 20's: `before` is 04 before issue 20 (AdamW, TTT steps fed the draft's own
+Variants of 04: `before` is 04 with none of its recipe's choices (AdamW, TTT steps fed the draft's own
 guesses, PyTorch's initialisation, draft lm_head trained, lr 6e-3); each `+ ...` row changes one thing
-from it (`+ lr 1.8e-2`: the config's rate now); `defaults` is 04 with no recipe flag; `defaults, frozen
+from it (`+ lr 1.8e-2`: the config's rate); `defaults` is 04 with no recipe flag; `defaults, frozen
 lm_head` and `defaults, noise off` change it as upstream does (its head frozen; no noise augmentation),
-`muon-wd-0.01`, `muon-wd-0.2` and `muon-wd-0.3` other Muon weight decays (upstream's 0.1 is the default). Issue 33's, each
-on the defaults: `loss-*` (`--loss`), `ttt5`, `ttt7-nodecay` and `ttt7` (5 or 7 TTT steps, the last with
+`muon-wd-0.01`, `muon-wd-0.2` and `muon-wd-0.3` other Muon weight decays (upstream's 0.1 is the default). Further
+variants, each on the defaults: `loss-*` (`--loss`), `ttt5`, `ttt7-nodecay` and `ttt7` (5 or 7 TTT steps, the last with
 loss decay 0.8 as the EAGLE-3 reference trains; the epoch chosen at k = 3), `eagle31` (the draft
 config's `norm_before_fc` and `norm_output`), and `eagle31-lk-ttt7` (the three together). `--control`
 adds the defaults with a 2% lower training noise, a nudge that should not matter: how far it moves the figures is a lower bound of the noise (another initialisation
@@ -63,7 +63,8 @@ from common.defaults import DEFAULT_VLLM_PYTHON, REPO_ROOT
 from common.draft.model import TINY_CONFIG
 from common.miniatures.targets import ensure_target
 
-# 04 as it was before issue 20: configs/draft_tiny.json's lr was 6e-3 then.
+# The `before` variant: 04 with none of its recipe's choices (AdamW, draft-fed TTT, torch init, lm_head trained,
+# lr 6e-3 where configs/draft_tiny.json has 1.8e-2).
 BEFORE = ("--optimizer", "adamw", "--ttt-inputs", "draft", "--init", "torch", "--no-freeze-draft-lm-head",
           "--lr", "0.006")
 
@@ -93,7 +94,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "muon-wd-0.01": ("defaults, Muon weight decay 0.01 (before issue 33)", ("--muon-weight-decay", "0.01")),
     "muon-wd-0.2": ("defaults, Muon weight decay 0.2", ("--muon-weight-decay", "0.2")),
     "muon-wd-0.3": ("defaults, Muon weight decay 0.3", ("--muon-weight-decay", "0.3")),
-    # issue 33: the 2026 choices, each alone on the defaults, then together
+    # the losses, TTT depths and EAGLE-3.1's norms, each alone on the defaults, and together
     "loss-tv": ("defaults, TV loss", ("--loss", "tv")),
     "loss-lk": ("defaults, LK loss (-log acceptance)", ("--loss", "lk")),
     "loss-lk-hybrid": ("defaults, LK hybrid loss", ("--loss", "lk-hybrid")),
@@ -214,7 +215,7 @@ class Measurement:
     max_new_tokens: int
 
     def file(self, run_dir: Path, name: str, seed: int) -> Path:
-        """Where 05's figures of a run go (the default length unnamed, as files before the option)."""
+        """Where 05's figures of a run go (at the default length, none in the name: eval_k3_vllm.json)."""
         length = "" if self.max_new_tokens == DEFAULT_NEW_TOKENS else f"_t{self.max_new_tokens}"
         return (run_dir / folder(name, seed) /
                 f"eval_k{'-'.join(map(str, self.ks))}{length}{'_vllm' if self.vllm else ''}.json")

@@ -4,7 +4,7 @@
     python bench/run_all.py --quick      # fewer samples and repeats, for a first look
 
 Each row is measured side by side in one process (medians of repeats), so the ratio holds on a
-shared, noisy machine where absolute figures do not. Goals are the issues': 02 >= 3x tokens/s at
+shared, noisy machine where absolute figures do not. Goals: 02 >= 3x tokens/s at
 exactly 4 x hidden x 2 bytes per token, 03 >= 10x, 04 >= 1.0x upstream speculators' trainer (when
 .venv-speculators/ exists) and >= 0.9x the bare step, 05 lossless (its speed ratio is
 below 1 on the CPU miniature, see bench/bench_05_speculative.py).

@@ -1,5 +1,5 @@
 """The upstream rows of bench/bench_04_recipe.py: the same draft trained by speculators 0.9.0's own
-trainer (issue 20), in its own environment `.venv-speculators/` (scripts/setup_speculators_env.sh),
+trainer, in its own environment `.venv-speculators/` (scripts/setup_speculators_env.sh),
 on the same data, vocabulary, draft shape and budget as 04, then served by 05 like 04's drafts.
 
 1. `convert_data`: 02's hidden states and 03's vocabulary in the layout upstream's trainer reads
@@ -67,7 +67,7 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, upst
     "upstream-muon": ("speculators 0.9.0: Muon, lm_head frozen", ()),
     "upstream-muon-head": ("speculators 0.9.0: Muon, lm_head trained", ("--trainable-lm-head",)),
     "upstream-adamw": ("speculators 0.9.0: AdamW, lm_head frozen", ("--optimizer", "adamw")),
-    # its eagle3 defaults since #692 (EAGLE-3.1's norms), and its acceptance loss (issue 33)
+    # its eagle3 defaults (EAGLE-3.1's norms), and its acceptance loss (`nla`, the LK loss)
     "upstream-31-head": ("speculators 0.9.0: EAGLE-3.1 norms, lm_head trained",
                          ("--trainable-lm-head", "--norm-before-fc", "--norm-output")),
     "upstream-31-head-lk": ("speculators 0.9.0: EAGLE-3.1 norms, lm_head trained, LK loss (nla)",
