@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from common.prepare.prepared_dataset import load_prepared
 from common.defaults import DEFAULT_RUN_DIR
 from common.draft.model import load_draft
 from common.errors import PipelineError
@@ -40,8 +39,9 @@ from common.evaluate.measure import (
     measure_plain,
 )
 from common.evaluate.prompts import select_prompts
-from common.miniatures.targets import ensure_target
 from common.hidden_states.loader import load_hidden_states
+from common.miniatures.targets import ensure_target
+from common.prepare.prepared_dataset import load_prepared
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 
