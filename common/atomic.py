@@ -2,7 +2,8 @@
 
 Every stage writes through these helpers, so a run killed at any moment (SIGKILL, Ctrl-C, a
 full disk) leaves at most a temporary `.tmp-*` name behind, never a truncated final file that a
-resumed run would trust.
+resumed run would trust. `read_json` and `read_stage_report` read back what they wrote: a file cut
+short, or a stage report of another folder format, is a `PipelineError` naming it.
 """
 
 from __future__ import annotations
