@@ -34,21 +34,18 @@ from pathlib import Path
 
 from common.atomic import format_bytes
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
-from common.hidden_states.capture import (
+from common.extract.batches import (
     DEFAULT_BATCH_TOKENS,
-    ExtractionRun,
-    ExtractStats,
     check_token_ids,
-    choose_layer_ids,
     estimate_bytes,
     plan_batches,
     shard_batches,
 )
+from common.extract.engines import open_state_engine
+from common.extract.run import ExtractionRun, ExtractStats
 from common.hidden_states.data_config import NUM_STATES, new_data_config
-from common.hidden_states.engines import open_state_engine
 from common.hidden_states.folder_lock import check_disk, shard_lock
 from common.hidden_states.journal import Journal, find_done, journal_path
 from common.hidden_states.manifests import (
@@ -60,7 +57,8 @@ from common.hidden_states.manifests import (
 )
 from common.hidden_states.state_files import remove_own_temporaries
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
-from common.target.config import load_target_info, weight_map
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
+from common.target.config import choose_layer_ids, load_target_info, weight_map
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,13 +27,11 @@ uninterrupted run would (common/train/checkpoints.py). Also OUTPUT/draft/ (bf16)
 from __future__ import annotations
 
 import argparse
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 
-from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.prepare.fingerprints import check_same_prepared
+from common.cli import resolve_target, run_main, stage_dir, stage_parser
 from common.draft import patch
 from common.draft.eagle31 import norms_of
 from common.draft.model import (
@@ -41,63 +39,29 @@ from common.draft.model import (
     TINY_CONFIG,
     build_draft,
     check_draft_fits,
-    export_draft,
     read_config_file,
     speculator_config,
 )
-from common.engine_device import Runtime, add_runtime_args, default_device
+from common.engine_device import default_device
 from common.errors import PipelineError
-from common.hidden_states.capture import DEFAULT_BATCH_TOKENS, choose_layer_ids
-from common.hidden_states.loader import (
-    SPLIT_FILE,
-    HiddenStateData,
-    check_data_fits,
-    epoch_tokens,
-    load_hidden_states,
-    make_loader,
-    split_data,
-    split_record,
-)
-from common.hidden_states.online import DEFAULT_PREFETCH, StateEngineError, open_online_states
-from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
-from common.target.config import TargetInfo, load_target_info
-from common.target.device_plan import parse_size
-from common.train.checkpoints import (
-    check_resumable,
-    check_same_settings,
-    last_checkpoint_note,
-    numbered,
-    split_warning,
-)
+from common.hidden_states.loader import SPLIT_FILE, check_data_fits, epoch_tokens, make_loader, split_data, split_record
+from common.online.options import OnlineOptions
+from common.online.states import StateEngineError, open_states
+from common.prepare.fingerprints import check_same_prepared
+from common.target.config import load_target_info
+from common.train.checkpoints import check_resumable, check_same_settings, last_checkpoint_note, split_warning
 from common.train.distributed import leave_rank, setup_distributed, teardown_distributed
-from common.train.metrics import (
-    LOG_FILE,
-    PLOT_FILE,
-    MetricsLog,
-    TrainReport,
-    best_validation,
-    last_validation,
-    metrics_logging,
-    read_log,
-)
+from common.train.metrics import LOG_FILE, MetricsLog, metrics_logging
 from common.train.settings import TrainSettings, flag_specs
-from common.train.trainer import (
-    CHECKPOINTS,
-    DRAFT,
-    ProjectTrainer,
-    prepare_checkpoints,
-    prepare_draft,
-    trainer_config,
-)
+from common.train.summary import export_chosen, report_run
+from common.train.trainer import CHECKPOINTS, DRAFT, ProjectTrainer, prepare_checkpoints, prepare_draft, trainer_config
 from common.vocab import load_vocab
 
 TRAINING_FLAGS = flag_specs()  # one flag per TrainSettings field; each overrides the config file's value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(parser)
+    parser = stage_parser(__doc__)
     paths = parser.add_argument_group("inputs and outputs")
     paths.add_argument("--data", type=Path, help="hidden states of step 02 (default: RUN_DIR/hidden_states)")
     paths.add_argument("--vocab", type=Path, help="t2d.pt/d2t.pt of step 03 (default: RUN_DIR/vocab)")
@@ -118,64 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="cpu, cuda or cuda:N (default: cuda if available; torchrun: one GPU per rank)")
     training.add_argument("--no-compile", action="store_true",
                           help="run the draft's forward eagerly on GPU too (it is always eager on CPU)")
-    online = parser.add_argument_group(
-        "online (--online: the target computes each batch's hidden states as the draft trains; no 02 needed)")
-    online.add_argument("--online", action="store_true",
-                        help="compute the hidden states of 01's prepared rows with the target during training "
-                             "instead of reading 02's files (same layer ids, dtype and storage rounding as 02)")
-    online.add_argument("--prepared", type=Path, default=None,
-                        help="--online: prepared dataset of 01 (default: RUN_DIR/prepared)")
-    online.add_argument("--max-samples", type=int, default=None, help="--online: only the first N prepared rows")
-    online.add_argument("--layer-ids", type=int, nargs="+", default=None, metavar="I",
-                        help="--online: three auxiliary layer ids, vLLM convention (default: 2 N//2 N-3, as 02)")
-    online.add_argument("--storage", choices=sorted(STORAGES), default=None,
-                        help="--online: round the states as 02 --storage would store them (default: bf16)")
-    online.add_argument("--batch-tokens", type=int, default=None,
-                        help=f"--online: padded tokens per forward pass of the target (default: {DEFAULT_BATCH_TOKENS})")
-    online.add_argument("--prefetch", type=int, default=None, metavar="N",
-                        help=f"--online: batches whose states are computed ahead of the one training (default: "
-                             f"{DEFAULT_PREFETCH}, at least 1); they hold N x total_seq_len x 4 x hidden x 2 bytes "
-                             "of host memory (Kimi-K2.5, 8,192 tokens: 470 MB per batch)")
-    online.add_argument("--max-disk", default=None, metavar="SIZE",
-                        help="--online: keep the states of the first samples computed as 02's files in "
-                             "RUN_DIR/hidden_states up to SIZE (bytes, or 500G, 5T, 2TiB), read by later epochs; "
-                             "the rest are computed in every epoch (default: 0, none kept)")
-    online.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                        help="--online --engine vllm on GPUs: vLLM's share of each GPU, the rest trains the draft "
-                             "beside it (default: vLLM's 0.9; scripts/plan_kimi_k25.py --online prints the share "
-                             "Kimi-K2.5 needs)")
-    add_runtime_args(parser, "--online: compute the states", device=False, url=True,
-                     url_help="--online --engine vllm: a hidden-state server all ranks share (started with "
-                              "scripts/serve_hidden_states.py, e.g. http://host:8100) instead of an engine per rank")
+    OnlineOptions.add_args(parser)
     args = parser.parse_args(argv)
-    check_online_flags(args)
+    args.online = OnlineOptions.from_args(args)  # --online read here alone: its options, or None (02's files)
     return args
-
-
-ONLINE_ONLY = ("prepared", "max_samples", "layer_ids", "storage", "batch_tokens", "prefetch", "max_disk", "dtype",
-               "device_map", "max_memory", "vllm_python", "vllm_url", "gpu_memory_utilization")
-
-
-def check_online_flags(args: argparse.Namespace) -> None:
-    """Flags of the online engine need --online; --online reads no 02 folder."""
-    if args.online:
-        if args.data is not None:
-            raise PipelineError(f"--data {args.data}: --online computes the hidden states (pass --prepared)")
-        for flag, value in (("--prefetch", args.prefetch), ("--batch-tokens", args.batch_tokens),
-                            ("--max-samples", args.max_samples)):
-            if value is not None and value < 1:
-                raise PipelineError(f"{flag} {value}: must be at least 1")
-        args.max_disk = parse_size(args.max_disk, "--max-disk") if args.max_disk is not None else 0
-        fraction = args.gpu_memory_utilization
-        if fraction is not None and (args.engine != "vllm" or args.vllm_url or not 0 < fraction < 1):
-            raise PipelineError(f"--gpu-memory-utilization {fraction}: a share in (0, 1) of each GPU for "
-                                "--engine vllm (a server by --vllm-url takes it at its start)")
-        return
-    given = [k for k in ONLINE_ONLY if getattr(args, k, None) is not None]
-    given += ["engine"] if args.engine != "hf" else []
-    given += ["tensor_parallel_size"] if args.tensor_parallel_size != 1 else []
-    if given:
-        raise PipelineError(f"--{given[0].replace('_', '-')} needs --online (04 reads 02's files otherwise)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +119,7 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
     info = load_target_info(target, trust_remote_code)
     vocab = load_vocab(vocab_dir, info.vocab_size)
     check_draft_fits(config_file.model, config_file.path, info, vocab.d2t.numel(), vocab_dir)
-    with open_states(args, info, trust_remote_code, data_dir, output, rank, world_size) as data:
+    with open_states(args.online, data_dir, info, trust_remote_code, output, rank, world_size) as data:
         check_data_fits(data, config_file.model, config_file.path, info)
         check_same_prepared(("hidden states", data_dir), ("vocabulary", vocab_dir),
                             (data.config.prepared_fingerprint, vocab.report.prepared_fingerprint))
@@ -273,65 +183,15 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
             return 0
 
         # 6. export the best checkpoint by validation simulated acceptance length at the served k (the last
-        #    without validation)
-        epochs = numbered(output / CHECKPOINTS)
-        records = read_log(output / LOG_FILE)
-        best = best_validation(records, epochs, settings.served_k)
-        chosen = best.epoch if best else epochs[-1]
-        because = (f"best validation simulated acceptance length at k = {settings.served_k}" if best
-                   else "last checkpoint (no validation pass: --val-ratio 0)")
-        draft_dir = export_draft(output / CHECKPOINTS / str(chosen), config, output / DRAFT,
-                                 {SPLIT_FILE: split_record(data, train_files, val_files, settings, output / DRAFT)})
-        print(f"exported checkpoint {output / CHECKPOINTS / str(chosen)} ({because}"
-              + (f": {best.acceptance_length:.3f} after epoch {best.epoch + 1})" if best else ")"))
-
-        # 7. summary
-        validation = last_validation(records, settings.served_k)
-        for line in validation.lines() if validation else ["no validation pass (--val-ratio 0)"]:
-            print(line)
-        report = TrainReport(
-            target=info.path, data=str(data_dir), vocab=str(vocab_dir), draft_config=str(config_file.path),
-            settings=vars(settings), train_samples=len(train_files), val_samples=len(val_files), tokens_per_epoch=tokens,
-            epochs_run=list(range(start_epoch, settings.epochs)),
-            tokens_per_second=tokens / trainer.train_seconds if trainer.train_seconds else 0.0,
-            checkpoints=[str(output / CHECKPOINTS / str(e)) for e in epochs], draft=str(draft_dir),
-            log=str(output / LOG_FILE), plot=str(output / PLOT_FILE),
-            validation=vars(validation) if validation else None, overrides=overrides,
-            exported_checkpoint=str(output / CHECKPOINTS / str(chosen)), exported_because=because,
-            best_validation=vars(best) if best else None, skipped_files=skips.skipped,
-            online=data.summary() if args.online else None,
-            state_wait_seconds={str(e + 1): w for e, w in trainer.state_waits.items()})
-        report_path = report.save(output)
-        print(f"trained epochs {start_epoch + 1}-{settings.epochs} of {settings.epochs} on {len(train_files):,} samples "
-              f"({tokens:,} tokens per epoch, {report.tokens_per_second:,.0f} tok/s in the last epoch)"
-              if report.epochs_run else f"nothing to train: all {settings.epochs} epochs have checkpoints")
-        if skips.skipped:
-            print(f"skipped {len(skips.skipped):,} of {len(data.files):,} {skips.what} that could not be used "
-                  f"(listed in {report_path}; {skips.remedy})")
-        if args.online:
-            print(data.describe())
-        print(f"outputs: {draft_dir} (draft), {output / CHECKPOINTS} ({len(epochs)} checkpoints), "
-              f"{output / LOG_FILE}, {output / PLOT_FILE}, {report_path}")
+        #    without validation); 7. the summary (common/train/summary.py)
+        split = split_record(data, train_files, val_files, settings, output / DRAFT)
+        exported = export_chosen(output, config, settings.served_k, {SPLIT_FILE: split})
+        report_run(output, exported, settings, overrides=overrides, data=data, train_files=train_files,
+                   val_files=val_files, tokens=tokens, start_epoch=start_epoch, train_seconds=trainer.train_seconds,
+                   state_waits=trainer.state_waits, skips=skips,
+                   sources={"target": info.path, "data": str(data_dir), "vocab": str(vocab_dir),
+                            "draft_config": str(config_file.path)})
         return 0
-
-
-
-def open_states(args: argparse.Namespace, info: TargetInfo, trust_remote_code: bool, data_dir: Path, output: Path,
-                rank: int, world_size: int) -> AbstractContextManager[HiddenStateData]:
-    """Where the states come from: 02's folder, or (--online) the target's engine, open for the run."""
-    if not args.online:
-        return nullcontext(load_hidden_states(data_dir))
-    runtime = Runtime.from_args(args)
-    runtime.check_target(info)
-    if runtime.vllm and not runtime.vllm_url and world_size > 1 and torch.cuda.is_available():
-        raise PipelineError(f"--online --engine vllm under torchrun would start {world_size} engines on the same GPUs: "
-                            "start one with scripts/serve_hidden_states.py and pass --vllm-url to share it")
-    layer_ids = choose_layer_ids(args.layer_ids, info)
-    return open_online_states(stage_dir(args, "prepared", args.prepared), data_dir, info, runtime, trust_remote_code,
-                              layer_ids, STORAGES[args.storage or DEFAULT_STORAGE],
-                              args.batch_tokens or DEFAULT_BATCH_TOKENS, args.prefetch or DEFAULT_PREFETCH,
-                              args.max_disk, args.max_samples, output, rank, world_size,
-                              args.gpu_memory_utilization)
 
 
 if __name__ == "__main__":

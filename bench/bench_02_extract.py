@@ -33,8 +33,10 @@ from pathlib import Path
 
 import torch
 
+from common.extract.batches import plan_batches
+from common.extract.hf_engine import StateExtractor
+from common.extract.run import ExtractionRun
 from common.miniatures.targets import DEMO_CONVERSATIONS, ensure_target
-from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 

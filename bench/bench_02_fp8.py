@@ -41,12 +41,14 @@ from pathlib import Path
 
 import torch
 
-from common.prepare.prepared_dataset import load_prepared
 from common.defaults import REPO_ROOT
-from common.miniatures.targets import ensure_target
-from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
+from common.extract.batches import plan_batches
+from common.extract.hf_engine import StateExtractor
+from common.extract.run import ExtractionRun
 from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import FP32_CHECK, STORAGES
+from common.miniatures.targets import ensure_target
+from common.prepare.prepared_dataset import load_prepared
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 

@@ -26,10 +26,12 @@ import torch
 from datasets import Dataset
 
 from bench.bench_02_extract import demo_samples
-from common.miniatures.targets import ensure_target
-from common.hidden_states.capture import ExtractionRun, StateExtractor, plan_batches
+from common.extract.batches import plan_batches
+from common.extract.hf_engine import StateExtractor
+from common.extract.run import ExtractionRun
+from common.extract.vllm_engine import VllmStateExtractor, final_norm_of, worker_fetch
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
-from common.hidden_states.vllm_states import VllmStateExtractor, final_norm_of, worker_fetch
+from common.miniatures.targets import ensure_target
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 from common.vllm.client import EngineSettings, VllmWorker, check_vllm_python

@@ -24,10 +24,11 @@ import torch
 
 from bench.bench_02_extract import run as run_bench
 from common.defaults import REPO_ROOT
-from common.miniatures.targets import ensure_target
-from common.hidden_states.capture import StateExtractor, verify_samples
+from common.extract.hf_engine import StateExtractor
+from common.extract.verify import verify_samples
 from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import FP32_CHECK
+from common.miniatures.targets import ensure_target
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 

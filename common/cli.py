@@ -35,6 +35,26 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
                        help="allow the target's own config/tokenizer code (needed for Kimi-K2.5)")
 
 
+def stage_parser(doc: str) -> argparse.ArgumentParser:
+    """A numbered script's parser: the first paragraph of its docstring `doc` as the description
+    (its line breaks kept) and the run group (`add_run_args`)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser)
+    return parser
+
+
+def add_data_args(parser: argparse.ArgumentParser, output: str,
+                  prepared: str = "prepared dataset from 01_prepare_data.py") -> argparse._ArgumentGroup:
+    """The "data" group of a stage that reads 01's prepared dataset and writes one folder: `--prepared`
+    (`prepared` says what it is; default RUN_DIR/prepared) and `--output` (default RUN_DIR/`output`).
+    The stage adds its own data flags to the group returned."""
+    data = parser.add_argument_group("data")
+    data.add_argument("--prepared", type=Path, default=None, help=f"{prepared} (default: RUN_DIR/prepared)")
+    data.add_argument("--output", type=Path, default=None, help=f"output folder (default: RUN_DIR/{output})")
+    return data
+
+
 def stage_dir(args: argparse.Namespace, stage: str, override: Path | None = None) -> Path:
     """The folder of `stage`: the explicit flag if given, else `RUN_DIR/<stage>`."""
     if stage not in STAGES:

@@ -22,8 +22,7 @@ from common.cli import run_main
 from common.defaults import REPO_ROOT
 from common.engine_device import DTYPES
 from common.errors import PipelineError
-from common.hidden_states.capture import choose_layer_ids
-from common.target.config import load_target_info
+from common.target.config import choose_layer_ids, load_target_info
 from common.vllm.client import EngineSettings, check_servable, check_vllm_python, vllm_device, worker_env
 
 

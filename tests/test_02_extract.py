@@ -33,20 +33,14 @@ from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
 from common.defaults import REPO_ROOT
 from common.errors import PipelineError
-from common.hidden_states.capture import (
-    StateExtractor,
-    choose_layer_ids,
-    estimate_bytes,
-    plan_batches,
-    shard_batches,
-    validate_layer_ids,
-    verify_samples,
-)
+from common.extract.batches import estimate_bytes, plan_batches, shard_batches
+from common.extract.hf_engine import StateExtractor
+from common.extract.verify import verify_samples
 from common.hidden_states.data_config import DATA_CONFIG, SAMPLE_LENGTHS, DataConfig
 from common.hidden_states.journal import Journal, find_done, ids_digest, journal_path
 from common.hidden_states.state_files import is_valid_sample, list_sample_files, sample_path, save_sample
 from common.hidden_states.storage import FP32_CHECK, SCALES_KEY, STORAGES
-from common.target.config import load_target_info
+from common.target.config import choose_layer_ids, load_target_info, validate_layer_ids
 from common.target.int4_experts import PackedLinear, dequantize_packed
 from common.target.model import load_text_model
 

@@ -19,7 +19,7 @@ from helpers import kill_after_step_checkpoint, run_in_process, run_script, writ
 
 from common.defaults import REPO_ROOT
 from common.draft.model import TINY_CONFIG
-from common.hidden_states import capture
+from common.extract import hf_engine as capture
 from common.hidden_states.loader import load_hidden_states
 from common.hidden_states.state_files import list_sample_files, sample_path
 from common.train.metrics import read_log

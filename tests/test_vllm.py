@@ -35,7 +35,7 @@ from helpers import assert_same_turns, descendants, read_regenerated, run_in_pro
 from safetensors import safe_open
 
 from common.defaults import REPO_ROOT
-from common.hidden_states.vllm_states import rms_norm
+from common.extract.vllm_engine import rms_norm
 from common.vllm.client import _log_cause
 
 pytestmark = [pytest.mark.vllm]
@@ -438,7 +438,7 @@ def test_layer_id_out_of_range_is_refused_before_the_engine(flat_target, tmp_pat
 
 def test_final_norm_matches_the_target(flat_target):
     """rms_norm with the checkpoint's weight reproduces the HF model's own final norm."""
-    from common.hidden_states.vllm_states import final_norm_of
+    from common.extract.vllm_engine import final_norm_of
     from common.target.config import load_target_info
     from common.target.model import load_text_model
 

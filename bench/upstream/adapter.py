@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from common.atomic import write_dir, write_json
 from common.defaults import REPO_ROOT
 from common.draft.model import TINY_CONFIG, WEIGHTS_FILE, export_draft, read_config_file, speculator_config
+from common.extract.vllm_engine import final_norm_of
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, load_hidden_states, split_data, split_record
-from common.hidden_states.vllm_states import final_norm_of
 from common.target.config import load_target_info
 from common.train.settings import TrainSettings
 from common.vocab import load_vocab

@@ -14,7 +14,7 @@ One round, as vLLM runs an EAGLE-3 draft with `num_speculative_tokens = k`:
    newly verified positions with the auxiliary states the verification pass captured.
 
 The target's auxiliary states come from forward hooks on its decoder layers
-(`common.hidden_states.capture.capture_layers`, shared with step 02), never from all N+1 hidden states.
+(`common.extract.hf_engine.capture_layers`, shared with step 02), never from all N+1 hidden states.
 
 Greedy (temperature 0): the emitted tokens are exactly the target's greedy continuation (what
 makes speculative decoding lossless); `plain_generate` at temperature 0 is the plain reference. Sampling
@@ -59,7 +59,7 @@ def input_device(model: torch.nn.Module) -> torch.device:
 
 
 def aux_states(captured: dict[int, torch.Tensor], layer_ids: list[int], device: torch.device) -> torch.Tensor:
-    """[1, L, 3H]: the auxiliary states the hooks of `common.hidden_states.capture.capture_layers` kept
+    """[1, L, 3H]: the auxiliary states the hooks of `common.extract.hf_engine.capture_layers` kept
     from the latest target pass, concatenated in the draft's layer-id order."""
     return torch.cat([captured[i].to(device) for i in layer_ids], dim=-1)
 
@@ -346,7 +346,7 @@ def speculative_generate(target: torch.nn.Module, captured: dict[int, torch.Tens
                          sampling: SamplingParams = SamplingParams(),
                          generator: torch.Generator | None = None) -> Generation:
     """Speculative decoding of `prompt` (see the module docstring). `captured` is the dict of an
-    active `common.hidden_states.capture.capture_layers(layers, layer_ids)`; `proposer` a `DraftProposer`
+    active `common.extract.hf_engine.capture_layers(layers, layer_ids)`; `proposer` a `DraftProposer`
     or an `NgramProposer`. Greedy at temperature 0 (exactly plain greedy decoding), else the
     speculative-sampling rule (`accept_sampled`)."""
     device = input_device(target)

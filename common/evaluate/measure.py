@@ -23,7 +23,6 @@ import torch
 from tqdm import tqdm
 
 from common.atomic import read_json
-from common.prepare.fingerprints import prepared_fingerprint
 from common.draft.model import WEIGHTS_FILE, build_draft, read_saved_config, saved_tensor
 from common.draft.validation import ValSummary, validation_metrics
 from common.errors import PipelineError
@@ -41,9 +40,10 @@ from common.evaluate.decoding import (
 )
 from common.evaluate.prompt_sets import PromptItem
 from common.evaluate.prompts import ChatPrompter, Prompt, ask_turns
-from common.hidden_states.capture import capture_layers
+from common.extract.hf_engine import capture_layers
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
 from common.hidden_states.state_files import sample_index
+from common.prepare.fingerprints import prepared_fingerprint
 from common.target.config import TargetInfo
 from common.target.model import decoder_parts
 

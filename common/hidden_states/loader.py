@@ -97,6 +97,14 @@ class HiddenStateData:
                 tally.add(path, self.unreadable[Path(path)])
         return tally
 
+    def summary(self) -> dict[str, Any] | None:
+        """train_report.json's `online`: None for 02's folder (the online source tells its engine's work)."""
+        return None
+
+    def describe(self) -> str | None:
+        """A closing line of 04 on where the states came from: none for 02's folder."""
+        return None
+
 
 def load_hidden_states(folder: str | Path) -> HiddenStateData:
     """Step 02's folder, checked for what would make speculators' dataset misread it: every

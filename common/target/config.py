@@ -67,6 +67,31 @@ class TargetInfo:
         return [2, n // 2, n - 3]
 
 
+def choose_layer_ids(given: list[int] | None, info: TargetInfo) -> list[int]:
+    """`--layer-ids`, or EAGLE-3's default auxiliary layers of the target, validated; a target too
+    shallow for the defaults is told so (the user typed no ids)."""
+    if given:
+        return validate_layer_ids(given, info.num_layers)
+    defaults = info.default_layer_ids()
+    try:
+        return validate_layer_ids(defaults, info.num_layers)
+    except PipelineError as e:
+        raise PipelineError(f"target {info.path}: EAGLE-3's default auxiliary layers [2, N//2, N-3] are {defaults} "
+                            f"for its {info.num_layers} layers, not three distinct ids in 1..{info.num_layers - 1}; "
+                            "pass --layer-ids with three") from e
+
+
+def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Three distinct auxiliary ids in 1..N-1 (N is the final state's place, 0 the embeddings)."""
+    valid = f"three distinct ids in 1..{num_layers - 1} for a target with {num_layers} layers"
+    if len(layer_ids) != 3 or len(set(layer_ids)) != 3:
+        raise PipelineError(f"--layer-ids {' '.join(map(str, layer_ids))}: expected {valid}")
+    bad = [i for i in layer_ids if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise PipelineError(f"--layer-ids {' '.join(map(str, layer_ids))}: {bad} out of range; expected {valid}")
+    return list(layer_ids)
+
+
 def _check_folder(path: Path) -> None:
     if not path.is_dir():
         raise TargetError(f"target {path}: no such folder")

@@ -1,7 +1,7 @@
 """Step 04's metrics: the JSON-lines log of the Trainer's metric records (`MetricsLog`, one
 line per training step and one per validation pass), the progress bars and per-epoch lines, the
-plot, the best and last validation passes (common/draft/validation.py's summaries) and
-`train_report.json`, all read back from the log, so a resumed run reports on the whole training.
+plot, and the best and last validation passes (common/draft/validation.py's summaries), read back from
+the log, so a resumed run reports on the whole training (`train_report.json`: common/train/summary.py).
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from common.atomic import atomic_path, write_json
+from common.atomic import atomic_path
 from common.draft.validation import ValSummary, per_step
 
 LOG_FILE = "train_log.jsonl"
@@ -176,35 +175,3 @@ def plot_metrics(records: list[dict], path: Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
-
-
-@dataclass
-class TrainReport:
-    """`train_report.json`: what was trained on what, and how well."""
-
-    target: str
-    data: str
-    vocab: str
-    draft_config: str
-    settings: dict
-    train_samples: int
-    val_samples: int
-    tokens_per_epoch: int
-    epochs_run: list[int]  # epochs trained by this invocation (0-based)
-    tokens_per_second: float
-    checkpoints: list[str]
-    draft: str
-    log: str
-    plot: str
-    validation: dict | None = None  # ValSummary of the last validation pass
-    overrides: list[str] = field(default_factory=list)
-    exported_checkpoint: str | None = None  # the checkpoint the draft folder was exported from
-    exported_because: str = ""  # "best validation simulated acceptance length", or why the last one
-    best_validation: dict | None = None  # ValSummary of the exported checkpoint's validation pass
-    skipped_files: dict[str, str] = field(default_factory=dict)  # hidden-state files (online: rows) not used: why
-    online: dict | None = None  # --online: engine, prefetch, states computed, seconds spent
-    state_wait_seconds: dict[str, float] = field(default_factory=dict)  # --online: epoch (1-based) -> waited for states
-
-    def save(self, folder: Path) -> Path:
-        write_json(folder / REPORT_FILE, asdict(self))
-        return folder / REPORT_FILE

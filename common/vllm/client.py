@@ -9,7 +9,7 @@ used because extraction needs the hidden-state connector configured at engine st
 on the engine's disk, and 05 needs one engine per configuration (plain, each draft).
 
 Each stage keeps its own adapter over `VllmWorker`: 00's generation engine
-(common/regenerate/engines.py), 02's state extractor (common/hidden_states/vllm_states.py) and
+(common/regenerate/engines.py), 02's state extractor (common/extract/vllm_engine.py) and
 05's served acceptance length (common/evaluate/served.py).
 
 Every engine start goes through `check_servable` (also callable before a stage's heavy work): what

@@ -30,7 +30,7 @@ from common.evaluate.decoding import (
     plain_generate,
     speculative_generate,
 )
-from common.hidden_states.capture import capture_layers
+from common.extract.hf_engine import capture_layers
 from common.target.int4_experts import PackedLinear
 from common.target.model import decoder_parts
 

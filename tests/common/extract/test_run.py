@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
-from common.hidden_states.capture import ExtractionRun
+from common.extract.run import ExtractionRun
 from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import StoredStates
 

@@ -13,9 +13,8 @@ one background thread. The dataset turns them into the library's sample exactly 
 loaded file (`OnlineSampleDataset.prepare`), in the training thread and in order, so the noise
 draws the same random numbers: given the same states, the draft is bitwise the offline one.
 
-`--max-disk SIZE` keeps the states of the rows computed first as ordinary 02 files in
-RUN/hidden_states/ until SIZE is used (`KeptStates`); later epochs read those files, and 02, 04
-and 05 read the folder as one of 02's.
+`--max-disk SIZE` keeps some of the states as 02's files (common/online/kept.py). `open_states` opens
+04's source of states: 02's folder, or (--online, common/online/options.py) the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,30 +31,22 @@ from typing import Any
 import torch
 from speculators.train.data import shift_batch
 
-from common.atomic import format_bytes, read_json
-from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.engine_device import Runtime
 from common.errors import PipelineError, first_line, skip_limit
-from common.hidden_states.capture import (
-    DEFAULT_BATCH_TOKENS,
-    ExtractionRun,
-    Sample,
-    check_token_ids,
-    estimate_bytes,
-    plan_batches,
-)
-from common.hidden_states.data_config import DATA_CONFIG, NUM_STATES, DataConfig, new_data_config
-from common.hidden_states.engines import open_state_engine
-from common.hidden_states.loader import HiddenStateData, LoaderSettings, ResumableBatchSampler
-from common.hidden_states.manifests import check_output_folder, manifest_path, merge_manifests, write_manifest
+from common.extract.batches import DEFAULT_BATCH_TOKENS, check_token_ids, plan_batches
+from common.extract.engines import open_state_engine
+from common.extract.run import ExtractionRun, Sample
+from common.hidden_states.data_config import new_data_config
+from common.hidden_states.loader import HiddenStateData, LoaderSettings, ResumableBatchSampler, load_hidden_states
 from common.hidden_states.skip_damaged import CheckedSampleDataset, SkipTally
-from common.hidden_states.state_files import list_sample_files, sample_index, sample_path, save_sample
-from common.hidden_states.storage import SCALES_KEY, StateStorage, StoredStates, get_storage, standardize_fn
-from common.target.config import TargetInfo
+from common.hidden_states.state_files import sample_index, sample_path
+from common.hidden_states.storage import SCALES_KEY, STORAGES, StateStorage, StoredStates, standardize_fn
+from common.online.kept import KeptStates
+from common.online.options import DEFAULT_PREFETCH, OnlineOptions
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
+from common.target.config import TargetInfo, choose_layer_ids
 
-__all__ = ["DEFAULT_PREFETCH", "OnlineStates", "StateEngineError", "open_online_states", "prefetch_bytes"]
-
-DEFAULT_PREFETCH = 2  # batches computed ahead: one keeps the engine busy while a step trains, two absorb jitter
+__all__ = ["OnlineStates", "StateEngineError", "open_online_states", "open_states"]
 
 
 class NotExtracted(Exception):
@@ -66,11 +57,6 @@ class StateEngineError(PipelineError):
     """The engine computing the states failed (died, or a sample's failure was not one to skip)."""
 
 
-def prefetch_bytes(prefetch: int, total_seq_len: int, hidden_size: int) -> int:
-    """Host memory the prefetch window holds: `prefetch` batches of four bf16 states per token."""
-    return prefetch * total_seq_len * NUM_STATES * hidden_size * 2
-
-
 def raw_sample(sample: Sample, stored: StoredStates) -> dict[str, Any]:
     """What torch.load returns for the file 02 would write for `sample` (`save_sample`)."""
     data = {"input_ids": torch.tensor(sample.input_ids, dtype=torch.long), "hidden_states": stored.states,
@@ -78,71 +64,6 @@ def raw_sample(sample: Sample, stored: StoredStates) -> dict[str, Any]:
     if stored.scales is not None:
         data[SCALES_KEY] = stored.scales
     return data
-
-
-class KeptStates:
-    """`--max-disk`: the states of the first rows computed, kept as 02's files in `folder` while the
-    bytes there (files found at the start included) stay within `limit`, split evenly over the ranks;
-    one manifest per rank (written at the start, so a killed run's folder reads as 02's on resume),
-    merged into 02's `sample_lengths.json` and `data_config.json` at the end of each pass (`publish`).
-    A folder of another target, layer choice, storage or prepared dataset is refused."""
-
-    def __init__(self, folder: Path, config: DataConfig, limit: int, lengths: dict[int, int], rank: int,
-                 world_size: int) -> None:
-        self.folder, self.config, self.limit = folder, config, limit // world_size
-        self.rank, self.world_size = rank, world_size
-        self.kept: dict[int, int] = {}  # row -> tokens
-        self.used = 0
-        if folder.is_dir():
-            check_output_folder(folder, config)
-            check_same_prepared_rows(folder, config)
-            per_token = get_storage(config.storage).bytes_per_token(NUM_STATES, config.hidden_size)
-            for row, path in list_sample_files(folder).items():
-                size = path.stat().st_size
-                if row in lengths and size >= lengths[row] * per_token:  # shorter: cut short, computed again
-                    self.kept[row], self.used = lengths[row], self.used + size // world_size
-        folder.mkdir(parents=True, exist_ok=True)
-        write_manifest(self.manifest, config, dict(self.kept), [], finished=False)
-
-    @property
-    def manifest(self) -> Path:
-        return manifest_path(self.folder, self.rank, self.world_size)
-
-    def keep(self, sample: Sample, stored: StoredStates, storage: StateStorage) -> None:
-        """Write the sample's file if it fits in what is left of the budget (another rank may have
-        written it already: then it is only listed)."""
-        n = len(sample.input_ids)
-        if sample.index in self.kept:
-            return
-        if sample_path(self.folder, sample.index).is_file():
-            self.kept[sample.index] = n
-            return
-        if self.used + estimate_bytes(n, 1, self.config.hidden_size, storage) > self.limit:
-            return
-        self.used += save_sample(self.folder, sample.index, torch.tensor(sample.input_ids, dtype=torch.long),
-                                 stored.states, torch.tensor(sample.loss_mask, dtype=torch.long), stored.scales)
-        self.kept[sample.index] = n
-
-    def publish(self) -> None:
-        write_manifest(self.manifest, self.config, dict(self.kept), [], finished=True)
-        merge_manifests(self.folder, self.world_size)
-
-    def describe(self) -> str:
-        return (f"{len(self.kept):,} samples kept in {self.folder} ({format_bytes(self.used)} of the "
-                f"--max-disk {format_bytes(self.limit)})")
-
-
-def check_same_prepared_rows(folder: Path, config: DataConfig) -> None:
-    """Kept files are read as the rows of this prepared dataset: a folder written from another one
-    (01 run again) is refused rather than trained on."""
-    sources = [folder / DATA_CONFIG, *sorted(folder.glob("extract_shard_*.json"))]
-    for source in (p for p in sources if p.is_file()):
-        data = read_json(source)
-        theirs = data.get("config", data).get("prepared_fingerprint")
-        if theirs and theirs != config.prepared_fingerprint:
-            raise PipelineError(f"{folder} holds hidden states of another prepared dataset ({source.name}: prepared "
-                                f"fingerprint {theirs}, now {config.prepared_fingerprint}); move it away for "
-                                "--max-disk to keep this run's states there")
 
 
 @dataclass
@@ -247,7 +168,7 @@ class OnlineSampleDataset(CheckedSampleDataset):
 
     def prepare(self, data: dict[str, Any]) -> dict[str, Any]:
         """The library's `Eagle3SampleFileDataset.__getitem__` after its `torch.load` (speculators
-        0.3.0; tests/common/hidden_states/test_online.py holds the two equal): standardize, cast the
+        0.3.0; tests/common/online/test_states.py holds the two equal): standardize, cast the
         states, add lengths and positions, transform (the noise), shift inputs and targets."""
         data = self.standardize_fn(data)
         data = {k: v.to(self.hidden_states_dtype) if "hidden_states" in k else v for k, v in data.items()}
@@ -328,3 +249,20 @@ def open_online_states(prepared_dir: Path, folder: Path, info: TargetInfo, runti
         yield OnlineStates(folder, config, {sample_path(folder, i): n for i, n in lengths.items()}, run=run,
                            engine=f"the target's engine ({runtime.describe()})", storage=storage,
                            batch_tokens=batch_tokens, prefetch=prefetch, kept=kept)
+
+
+def open_states(online: OnlineOptions | None, data_dir: Path, info: TargetInfo, trust_remote_code: bool,
+                output: Path, rank: int, world_size: int) -> AbstractContextManager[HiddenStateData]:
+    """Where 04's states come from: 02's folder `data_dir`, or (`online`) the target's engine, open for
+    the run (`data_dir` is then where `--max-disk` keeps some; `output` holds vLLM's scratch folder)."""
+    if online is None:
+        return nullcontext(load_hidden_states(data_dir))
+    runtime = Runtime.from_args(online.runtime_args)
+    runtime.check_target(info)
+    if runtime.vllm and not runtime.vllm_url and world_size > 1 and torch.cuda.is_available():
+        raise PipelineError(f"--online --engine vllm under torchrun would start {world_size} engines on the same GPUs: "
+                            "start one with scripts/serve_hidden_states.py and pass --vllm-url to share it")
+    layer_ids = choose_layer_ids(online.layer_ids, info)
+    return open_online_states(online.prepared, data_dir, info, runtime, trust_remote_code, layer_ids,
+                              STORAGES[online.storage], online.batch_tokens, online.prefetch, online.max_disk,
+                              online.max_samples, output, rank, world_size, online.gpu_memory_utilization)

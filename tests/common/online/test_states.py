@@ -12,9 +12,9 @@ from speculators.train.data import Eagle3SampleFileDataset
 from speculators.train.noise_transforms import AddUniformNoise
 
 from common.hidden_states.loader import ResumableBatchSampler
-from common.hidden_states.online import OnlineSampleDataset, PrefetchingBatchSampler, prefetch_bytes
 from common.hidden_states.state_files import list_sample_files
 from common.hidden_states.storage import standardize_fn
+from common.online.states import OnlineSampleDataset, PrefetchingBatchSampler
 
 
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])
@@ -32,12 +32,6 @@ def test_prepare_is_the_librarys_getitem_after_its_load(tmp_path, flat_target, s
         mine = ours.prepare(torch.load(path, weights_only=True))
         assert theirs.keys() == mine.keys()
         assert all(torch.equal(theirs[k], mine[k]) and theirs[k].dtype == mine[k].dtype for k in theirs)
-
-
-def test_prefetch_memory_is_what_the_help_says():
-    # Kimi-K2.5 (hidden 7168) at 8,192 tokens per batch: 470 MB per batch held
-    assert prefetch_bytes(1, 8192, 7168) == 8192 * 4 * 7168 * 2 == 469_762_048
-    assert prefetch_bytes(2, 8192, 7168) == 2 * 469_762_048
 
 
 class RecordingDataset(OnlineSampleDataset):

@@ -1,11 +1,13 @@
-"""02's `--engine vllm`: `VllmStateExtractor`, a drop-in for `StateExtractor` (same batches, files,
-resume, sharding) over a vLLM worker (common/vllm/client.py). vLLM hands back the last layer before
-the final norm, which is applied here in fp32, as transformers computes it.
+"""02's `--engine vllm` (and 04 --online's): `VllmStateExtractor`, a drop-in for `StateExtractor` (same
+batches, files, resume, sharding) over a vLLM worker of this process's own (common/vllm/client.py) or a
+hidden-state server by URL (common/vllm/state_server.py), opened by `open_vllm_extractor`. vLLM hands
+back the last layer before the final norm, which is applied here in fp32, as transformers computes it.
 """
-
 from __future__ import annotations
 
 import fcntl
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,10 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from common.engine_device import Runtime
 from common.errors import PipelineError
 from common.hidden_states.storage import StateStorage, StoredStates
 from common.target.config import TargetInfo, read_tensors, weight_map
-from common.vllm.client import VllmWorker
+from common.vllm.client import EngineSettings, StateServerClient, VllmWorker
 
 
 def final_norm_of(info: TargetInfo) -> tuple[torch.Tensor, float]:
@@ -92,3 +95,30 @@ def _written(path: Path) -> Iterator[dict[str, torch.Tensor]]:
     finally:
         path.unlink(missing_ok=True)
         lock.unlink(missing_ok=True)
+
+
+@contextmanager
+def open_vllm_extractor(runtime: Runtime, info: TargetInfo, trust_remote_code: bool, layer_ids: list[int],
+                        storage: StateStorage, out: Path, longest: int, shard: tuple[int, int],
+                        gpu_memory_utilization: float | None = None) -> Iterator[VllmStateExtractor]:
+    """A `VllmStateExtractor` for the `with` block: over the hidden-state server of `runtime.vllm_url`,
+    or over a worker started here, which writes its states through a scratch folder inside `out`
+    (one per shard, removed at the end; one left by a killed run is removed first); `longest`
+    (tokens) sizes its context; `gpu_memory_utilization` caps its share of each GPU."""
+    if runtime.vllm_url:  # a hidden-state server started apart (scripts/serve_hidden_states.py)
+        server = StateServerClient(runtime.vllm_url)
+        server.check(info.path, [*layer_ids, info.num_layers])
+        yield VllmStateExtractor(server.extract, layer_ids, final_norm_of(info), storage)
+        return
+    settings = EngineSettings.for_target(info, longest + 1, trust_remote_code, runtime.tensor_parallel_size,
+                                         runtime.vllm_dtype)
+    scratch = f".vllm-states-{shard[0]}-of-{shard[1]}-"
+    out.mkdir(parents=True, exist_ok=True)  # 04 --online --output NEW: its folder is made here first
+    for stale in out.glob(scratch + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=scratch, dir=out) as scratch_dir:
+        settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch_dir
+        settings.gpu_memory_utilization = gpu_memory_utilization
+        with VllmWorker(runtime.vllm_python, settings) as worker:
+            print(f"vLLM {worker.version} started in {worker.start_seconds:,.0f}s")
+            yield VllmStateExtractor(worker_fetch(worker), layer_ids, final_norm_of(info), storage)
