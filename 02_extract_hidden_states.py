@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from common.atomic import format_bytes
-from common.cli import add_run_args, resolve_target, run_main, stage_dir
+from common.cli import add_data_args, resolve_target, run_main, stage_dir, stage_parser
 from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
 from common.extract.batches import (
@@ -62,13 +61,8 @@ from common.target.config import choose_layer_ids, load_target_info, weight_map
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(parser)
-    data = parser.add_argument_group("data")
-    data.add_argument("--prepared", type=Path, default=None,
-                      help="prepared dataset from 01_prepare_data.py (default: RUN_DIR/prepared)")
-    data.add_argument("--output", type=Path, default=None, help="output folder (default: RUN_DIR/hidden_states)")
+    parser = stage_parser(__doc__)
+    data = add_data_args(parser, "hidden_states")
     data.add_argument("--max-samples", type=int, default=None, help="only the first N prepared rows")
     data.add_argument("--storage", choices=sorted(STORAGES), default=DEFAULT_STORAGE,
                       help="hidden states on disk: bf16, or fp8 (e4m3, one bf16 scale per token row: about half "

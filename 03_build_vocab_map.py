@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.prepare.fingerprints import prepared_fingerprint
-from common.prepare.prepared_dataset import check_prepared_target, load_prepared
+from common.cli import add_data_args, resolve_target, run_main, stage_dir, stage_parser
 from common.defaults import MINIATURE_DRAFT_VOCAB_SIZE
 from common.errors import PipelineError
+from common.prepare.fingerprints import prepared_fingerprint
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.target.config import load_target_info
 from common.vocab import (
     DEFAULT_BATCH_ROWS,
@@ -39,13 +38,8 @@ from common.vocab import (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(parser)
-    data = parser.add_argument_group("data")
-    data.add_argument("--prepared", type=Path, default=None,
-                      help="prepared dataset folder from 01_prepare_data.py (default: RUN_DIR/prepared)")
-    data.add_argument("--output", type=Path, default=None, help="output folder (default: RUN_DIR/vocab)")
+    parser = stage_parser(__doc__)
+    add_data_args(parser, "vocab", prepared="prepared dataset folder from 01_prepare_data.py")
     vocab = parser.add_argument_group("vocabulary")
     vocab.add_argument("--draft-vocab-size", type=int, default=None,
                        help=f"draft vocabulary size (default: {DEFAULT_DRAFT_VOCAB_SIZE}, or the target's "
