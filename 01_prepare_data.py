@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.prepare.prepare import CHUNK_SIZE, PrepareOptions, prepare, summary_lines, warning_lines
 from common.defaults import demo_inputs
+from common.prepare.prepare import CHUNK_SIZE, PrepareOptions, prepare, summary_lines, warning_lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -34,7 +34,6 @@ import argparse
 from pathlib import Path
 
 from common.cli import add_run_args, resolve_target, run_main, stage_dir
-from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.draft import patch
 from common.draft.model import load_draft
 from common.engine_device import Runtime, add_runtime_args
@@ -66,6 +65,7 @@ from common.evaluate.prompts import (
 from common.evaluate.report import DraftReport, output_lines, summary_table, write_report
 from common.evaluate.served import measure_with_vllm, served_lines
 from common.hidden_states.loader import load_hidden_states
+from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.target.config import TargetInfo, load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer

@@ -15,11 +15,11 @@ from helpers import falling_counts, random_draft
 from speculators.models.eagle3 import Eagle3DraftModel
 from transformers import AutoTokenizer
 
-from common.prepare.loss_mask import ChatMasker
 from common.defaults import DEFAULT_VLLM_PYTHON
 from common.draft import patch
 from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
 from common.miniatures.targets import DEMO_CONVERSATIONS, ensure_target, ensure_targets
+from common.prepare.loss_mask import ChatMasker
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 from common.vocab import build_maps

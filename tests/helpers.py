@@ -30,7 +30,6 @@ from speculators.models.eagle3 import core as eagle3_core
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from common.cli import run_main
-from common.prepare.prepared_dataset import PrepareReport
 from common.defaults import REPO_ROOT
 from common.draft import patch
 from common.draft.loss import DraftLoss
@@ -45,6 +44,7 @@ from common.draft.model import (
 from common.hidden_states.data_config import SAMPLE_LENGTHS, DataConfig
 from common.hidden_states.state_files import list_sample_files, save_sample
 from common.hidden_states.storage import STORAGES
+from common.prepare.prepared_dataset import PrepareReport
 from common.target.config import load_target_info
 from common.vocab import build_maps, make_report, write_vocab
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
 
+from common.defaults import REPO_ROOT
+from common.evaluate.decoding import plain_generate
 from common.prepare.conversations import Conversation, Message, ToolCall, to_conversation
 from common.prepare.prepare import PrepareOptions, prepare
 from common.prepare.prepared_dataset import load_prepared
-from common.defaults import REPO_ROOT
-from common.evaluate.decoding import plain_generate
 from common.regenerate.assistant_output import MalformedToolCall, parse_assistant_text
 from common.regenerate.engines import HfEngine
 from common.regenerate.run import TOOL_CALLS_DIVERGED, RegenerateOptions, _Turns, regenerate

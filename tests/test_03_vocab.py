@@ -16,9 +16,9 @@ from speculators.train.vocab_mapping import (
     save_token_frequency_distribution,
 )
 
-from common.prepare.prepared_dataset import PrepareReport, check_prepared_target, load_prepared
 from common.defaults import REPO_ROOT
 from common.errors import PipelineError
+from common.prepare.prepared_dataset import PrepareReport, check_prepared_target, load_prepared
 from common.vocab import (
     FREQ_LAYOUT,
     build_maps,

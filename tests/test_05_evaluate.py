@@ -15,9 +15,9 @@ from datasets import Dataset
 from helpers import export_untrained, run_in_process
 from helpers import run_script as run_any_script
 
-from common.prepare.prepared_dataset import load_prepared
 from common.draft.model import TINY_CONFIG
 from common.evaluate.prompts import select_prompts
+from common.prepare.prepared_dataset import load_prepared
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 

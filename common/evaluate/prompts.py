@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.prepare.loss_mask import INSTANT_MODE
 from common.errors import PipelineError
 from common.evaluate.prompt_sets import PromptItem
+from common.prepare.loss_mask import INSTANT_MODE
 from common.regenerate.assistant_output import THINK_OPEN, MalformedToolCall, parse_assistant_text
 
 __all__ = ["HELD_OUT", "Prompt", "select_prompts", "THINKING_ON", "MODE_TEMPERATURE", "thinking_switch",

@@ -66,10 +66,10 @@ from dataclasses import dataclass
 import numpy as np
 from jinja2 import TemplateError
 
+from common.errors import PipelineError
 from common.prepare.chat_template import ChatTemplate
 from common.prepare.conversations import Message
 from common.prepare.fast_encode import FastEncoder, literal_pattern
-from common.errors import PipelineError
 
 __all__ = ["ChatMasker", "Encoded", "MaskError", "Rendering", "template_sha256"]
 

@@ -32,6 +32,7 @@ from datasets.exceptions import DatasetGenerationError
 from tqdm import tqdm
 
 from common.atomic import TMP_PREFIX, write_dir, write_error, write_json
+from common.errors import PipelineError
 from common.prepare.conversations import (
     Conversation,
     Message,
@@ -43,7 +44,6 @@ from common.prepare.conversations import (
 )
 from common.prepare.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
 from common.prepare.prepared_dataset import COLUMNS, PrepareReport
-from common.errors import PipelineError
 from common.target.config import load_target_info, target_digest
 from common.target.tokenizer import load_tokenizer
 

@@ -10,9 +10,9 @@ import pytest
 from jinja2.exceptions import SecurityError
 from transformers import AutoTokenizer
 
+from common.defaults import demo_inputs
 from common.prepare.chat_template import ChatTemplate
 from common.prepare.conversations import to_conversation
-from common.defaults import demo_inputs
 
 VARIANTS = ({}, {"add_generation_prompt": True}, {"add_generation_prompt": True, "thinking": False},
             {"preserve_thinking": True})

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, DatasetDict
 
+from common.errors import PipelineError
 from common.prepare.conversations import (
     UNDECODABLE,
     Conversation,
@@ -20,7 +21,6 @@ from common.prepare.conversations import (
     resolve_inputs,
     to_conversation,
 )
-from common.errors import PipelineError
 
 OPENAI = [
     {"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},

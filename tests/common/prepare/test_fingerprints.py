@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.prepare.fingerprints import check_same_prepared, prepared_fingerprint
 from common.errors import PipelineError
+from common.prepare.fingerprints import check_same_prepared, prepared_fingerprint
 
 
 def _prepared(folder: Path, report: str = '{"samples_kept": 2}', state: str = '{"_fingerprint": "abc"}') -> Path:

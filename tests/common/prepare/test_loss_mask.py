@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from common.errors import PipelineError
+from common.miniatures.targets import FLAT_CHAT_TEMPLATE
 from common.prepare.conversations import Message, ToolCall, to_conversation
 from common.prepare.fast_encode import BACKEND, OWN_ENCODE
 from common.prepare.loss_mask import TEMPLATE_ERROR, ChatMasker, MaskError
-from common.errors import PipelineError
-from common.miniatures.targets import FLAT_CHAT_TEMPLATE
 
 U, A = Message("user", "Hi there"), Message("assistant", "Hello!")
 SYS = Message("system", "Be brief.")

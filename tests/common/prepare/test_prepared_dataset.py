@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from common.prepare.prepared_dataset import PrepareReport, check_prepared_target
 from common.errors import PipelineError
+from common.prepare.prepared_dataset import PrepareReport, check_prepared_target
 from common.target.config import load_target_info, target_digest
 
 
