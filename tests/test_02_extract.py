@@ -4,7 +4,6 @@ folder (speculators' own dataset loads it), resume after SIGKILL, shards, failur
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib.util
 import json
 import os
@@ -33,14 +32,13 @@ from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
 
 from common.defaults import REPO_ROOT
 from common.errors import PipelineError
-from common.extract.batches import estimate_bytes, plan_batches, shard_batches
+from common.extract.batches import estimate_bytes
 from common.extract.hf_engine import StateExtractor
 from common.extract.verify import verify_samples
 from common.hidden_states.data_config import DATA_CONFIG, SAMPLE_LENGTHS, DataConfig
-from common.hidden_states.journal import Journal, find_done, ids_digest, journal_path
-from common.hidden_states.state_files import is_valid_sample, list_sample_files, sample_path, save_sample
+from common.hidden_states.state_files import list_sample_files, sample_path
 from common.hidden_states.storage import FP32_CHECK, SCALES_KEY, STORAGES
-from common.target.config import choose_layer_ids, load_target_info, validate_layer_ids
+from common.target.config import load_target_info
 from common.target.int4_experts import PackedLinear, dequantize_packed
 from common.target.model import load_text_model
 
@@ -86,42 +84,6 @@ def extracted(models, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         run_in_process(SCRIPT, *extract_args(prepared, target, root / "hs"), check=True)
         runs[name] = prepared, root / "hs"
     return runs
-
-
-# --- planning and layer ids ------------------------------------------------------------------
-
-
-def test_layer_ids_range():
-    assert validate_layer_ids([1, 4, 7], 8) == [1, 4, 7]
-    for bad in ([0, 2, 3], [2, 4, 8], [2, 2, 3], [2, 3]):
-        with pytest.raises(PipelineError, match=r"1\.\.7 for a target with 8 layers"):
-            validate_layer_ids(bad, 8)
-
-
-def test_a_target_too_shallow_for_the_default_layers_is_told_so(flat_target):
-    """EAGLE-3's defaults [2, N//2, N-3] coincide below 7 layers: the error names the target and
-    the defaults instead of quoting ids the user never typed; given ids are checked as they are."""
-    info = dataclasses.replace(load_target_info(flat_target), num_layers=6)
-    with pytest.raises(PipelineError, match=r"target .*: EAGLE-3's default auxiliary layers \[2, N//2, N-3\] are "
-                                            r"\[2, 3, 3\] for its 6 layers, not three distinct ids in 1\.\.5; pass "
-                                            r"--layer-ids with three"):
-        choose_layer_ids(None, info)
-    assert choose_layer_ids([1, 2, 4], info) == [1, 2, 4]
-    assert choose_layer_ids(None, load_target_info(flat_target)) == [2, 4, 5]
-
-
-def test_plan_batches_respects_budget_and_shards_split_it():
-    lengths = {i: n for i, n in enumerate([5, 40, 7, 100, 33, 40, 2, 9, 60, 12])}
-    batches = plan_batches(lengths, 80)
-    assert sorted(i for b in batches for i in b) == sorted(lengths)
-    assert batches[0] == [3]  # longer than the budget: alone, and first
-    assert all(len(b) * max(lengths[i] for i in b) <= 80 for b in batches if len(b) > 1)
-    assert all(lengths[b[0]] == max(lengths[i] for i in b) for b in batches)
-    shards = [shard_batches(batches, 3, j) for j in range(3)]
-    flat = [i for shard in shards for b in shard for i in b]
-    assert sorted(flat) == sorted(lengths) and len(flat) == len(set(flat))
-    with pytest.raises(PipelineError, match="--shard-index 3 --num-shards 3"):
-        shard_batches(batches, 3, 3)
 
 
 # --- capture: batched equals sample by sample; the states are the target's own ---------------
@@ -235,36 +197,6 @@ def test_resume_after_sigkill_gives_the_uninterrupted_files(extracted, kimi_targ
     assert (out / SAMPLE_LENGTHS).read_text() == (reference / SAMPLE_LENGTHS).read_text()
 
 
-def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatch):
-    """Journaled files with their recorded size and ids are kept unopened; a file cut short, a
-    file of other ids, and a file the journal never heard of are loaded and checked."""
-    hidden = 8
-    rows = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
-    ds = Dataset.from_dict({"input_ids": rows})
-    journal = Journal(journal_path(tmp_path, 0, 1))
-    for i, ids in enumerate(rows):
-        n = len(ids)
-        size = save_sample(tmp_path, i, torch.tensor(ids), [torch.zeros(n, hidden, dtype=torch.bfloat16)] * 4,
-                           torch.ones(n, dtype=torch.long))
-        if i != 3:  # row 3: killed between its file and its journal line
-            journal.add(i, size, ids_digest(ids))
-    journal.file.write("4 12")  # a line cut short by the kill
-    journal.close()
-    truncated = sample_path(tmp_path, 1)
-    truncated.write_bytes(truncated.read_bytes()[:100])
-    changed = ds.map(lambda r, i: {"input_ids": [99] * len(r["input_ids"]) if i == 2 else r["input_ids"]},
-                     with_indices=True)  # row 2 re-prepared with other ids
-
-    loaded = []
-    original = is_valid_sample
-    monkeypatch.setattr("common.hidden_states.journal.is_valid_sample",
-                        lambda path, *a: loaded.append(path.name) or original(path, *a))
-    done, redo = find_done(tmp_path, changed, set(range(len(rows))), hidden)
-    assert done == {0, 3, 4} and redo == 2
-    assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
-    assert not sample_path(tmp_path, 1).exists() and not sample_path(tmp_path, 2).exists()
-
-
 def test_rows_of_an_earlier_prepared_dataset_are_removed(flat_target, tmp_path, capsys):
     """01 run again with fewer rows into the same run folder: 02 keeps no file past the new end,
     and the merged lists name only the new rows."""
@@ -360,12 +292,6 @@ def test_disk_check_refuses_a_small_disk(kimi_target, tmp_path, monkeypatch):
     assert not list((tmp_path / "hs").rglob("data_*.pt"))
     load_script().main(args + ["--skip-disk-check"])
     assert sorted(list_sample_files(tmp_path / "hs")) == [0, 1, 2]
-
-
-def test_bytes_estimate_is_four_bf16_states_per_token():
-    assert estimate_bytes(1000, 0, 7168) == 1000 * (4 * 7168 * 2 + 16)
-    # fp8: one byte per value and a bf16 scale per token row of each state.
-    assert estimate_bytes(1000, 0, 7168, STORAGES["fp8"]) == 1000 * (4 * (7168 + 2) + 16)
 
 
 def test_disk_check_counts_fp8_as_half(kimi_target, tmp_path, monkeypatch):

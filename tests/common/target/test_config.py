@@ -1,14 +1,17 @@
 """common/target/config.py: a target's facts read once from its config files (nested or flat, the
-generation defaults, the text architecture), and errors that name the folder."""
+generation defaults, the text architecture), errors that name the folder, and the auxiliary layer ids
+(EAGLE-3's defaults or the user's, checked against the target's depth)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from transformers import AutoConfig
 
-from common.target.config import TargetError, load_target_info
+from common.errors import PipelineError
+from common.target.config import TargetError, choose_layer_ids, load_target_info, validate_layer_ids
 from common.target.model import load_text_model
 
 
@@ -85,3 +88,22 @@ def test_a_nested_text_config_without_architectures(kimi_target, tmp_path):
     del config["text_config"]["architectures"]
     (folder / "config.json").write_text(json.dumps(config))
     assert load_target_info(folder, trust_remote_code=True).text_architecture == "DeepseekV3ForCausalLM"
+
+
+def test_layer_ids_range():
+    assert validate_layer_ids([1, 4, 7], 8) == [1, 4, 7]
+    for bad in ([0, 2, 3], [2, 4, 8], [2, 2, 3], [2, 3]):
+        with pytest.raises(PipelineError, match=r"1\.\.7 for a target with 8 layers"):
+            validate_layer_ids(bad, 8)
+
+
+def test_a_target_too_shallow_for_the_default_layers_is_told_so(flat_target):
+    """EAGLE-3's defaults [2, N//2, N-3] coincide below 7 layers: the error names the target and
+    the defaults instead of quoting ids the user never typed; given ids are checked as they are."""
+    info = dataclasses.replace(load_target_info(flat_target), num_layers=6)
+    with pytest.raises(PipelineError, match=r"target .*: EAGLE-3's default auxiliary layers \[2, N//2, N-3\] are "
+                                            r"\[2, 3, 3\] for its 6 layers, not three distinct ids in 1\.\.5; pass "
+                                            r"--layer-ids with three"):
+        choose_layer_ids(None, info)
+    assert choose_layer_ids([1, 2, 4], info) == [1, 2, 4]
+    assert choose_layer_ids(None, load_target_info(flat_target)) == [2, 4, 5]

@@ -1,4 +1,5 @@
-"""The journal of finished files: what a plain restart trusts, and what --verify re-reads."""
+"""common/hidden_states/journal.py: the journal of finished files and the resume scan: what a plain
+restart trusts unopened, what it loads and checks, and what --verify re-reads."""
 
 from __future__ import annotations
 
@@ -54,3 +55,33 @@ def test_a_journal_with_bytes_that_are_not_utf8_is_read_around_them(tmp_path):
     journal = read_journals(tmp_path)
     assert sorted(journal) == [0, 2, 3]
     assert find_done(tmp_path, ds, set(range(4)), HIDDEN) == ({0, 1, 2, 3}, 0)  # row 1 loaded and checked
+
+
+def test_resume_scan_trusts_the_journal_and_checks_the_rest(tmp_path, monkeypatch):
+    """Journaled files with their recorded size and ids are kept unopened; a file cut short, a
+    file of other ids, and a file the journal never heard of are loaded and checked."""
+    hidden = 8
+    rows = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    ds = Dataset.from_dict({"input_ids": rows})
+    journal = Journal(journal_path(tmp_path, 0, 1))
+    for i, ids in enumerate(rows):
+        n = len(ids)
+        size = save_sample(tmp_path, i, torch.tensor(ids), [torch.zeros(n, hidden, dtype=torch.bfloat16)] * 4,
+                           torch.ones(n, dtype=torch.long))
+        if i != 3:  # row 3: killed between its file and its journal line
+            journal.add(i, size, ids_digest(ids))
+    journal.file.write("4 12")  # a line cut short by the kill
+    journal.close()
+    truncated = sample_path(tmp_path, 1)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    changed = ds.map(lambda r, i: {"input_ids": [99] * len(r["input_ids"]) if i == 2 else r["input_ids"]},
+                     with_indices=True)  # row 2 re-prepared with other ids
+
+    loaded = []
+    original = is_valid_sample
+    monkeypatch.setattr("common.hidden_states.journal.is_valid_sample",
+                        lambda path, *a: loaded.append(path.name) or original(path, *a))
+    done, redo = find_done(tmp_path, changed, set(range(len(rows))), hidden)
+    assert done == {0, 3, 4} and redo == 2
+    assert sorted(loaded) == ["data_1.pt", "data_2.pt", "data_3.pt"]
+    assert not sample_path(tmp_path, 1).exists() and not sample_path(tmp_path, 2).exists()

@@ -1,0 +1,31 @@
+"""common/extract/batches.py: step 02's plan. Batches stay within the padded-token budget, longest
+first; shards split the plan into disjoint parts; ids outside the target's vocabulary are refused,
+naming the sample; the disk estimate counts the stored states of each storage."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import PipelineError
+from common.extract.batches import estimate_bytes, plan_batches, shard_batches
+from common.hidden_states.storage import STORAGES
+
+
+def test_plan_batches_respects_budget_and_shards_split_it():
+    lengths = {i: n for i, n in enumerate([5, 40, 7, 100, 33, 40, 2, 9, 60, 12])}
+    batches = plan_batches(lengths, 80)
+    assert sorted(i for b in batches for i in b) == sorted(lengths)
+    assert batches[0] == [3]  # longer than the budget: alone, and first
+    assert all(len(b) * max(lengths[i] for i in b) <= 80 for b in batches if len(b) > 1)
+    assert all(lengths[b[0]] == max(lengths[i] for i in b) for b in batches)
+    shards = [shard_batches(batches, 3, j) for j in range(3)]
+    flat = [i for shard in shards for b in shard for i in b]
+    assert sorted(flat) == sorted(lengths) and len(flat) == len(set(flat))
+    with pytest.raises(PipelineError, match="--shard-index 3 --num-shards 3"):
+        shard_batches(batches, 3, 3)
+
+
+def test_bytes_estimate_is_four_bf16_states_per_token():
+    assert estimate_bytes(1000, 0, 7168) == 1000 * (4 * 7168 * 2 + 16)
+    # fp8: one byte per value and a bf16 scale per token row of each state.
+    assert estimate_bytes(1000, 0, 7168, STORAGES["fp8"]) == 1000 * (4 * (7168 + 2) + 16)
