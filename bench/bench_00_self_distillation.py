@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.prepare.conversations import iter_records, resolve_inputs
+from common.prepare.readers import iter_records, resolve_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,9 +34,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # the stage's bars would interleave 
 
 from common.defaults import demo_inputs
 from common.miniatures.targets import ensure_targets
-from common.prepare.conversations import iter_records, resolve_inputs, to_conversation
+from common.prepare.conversations import to_conversation
 from common.prepare.loss_mask import ChatMasker
 from common.prepare.prepare import PrepareOptions, prepare
+from common.prepare.readers import iter_records, resolve_inputs
 from common.target.tokenizer import load_tokenizer
 
 GOAL = 0.3

@@ -18,9 +18,10 @@ import pytest
 from helpers import REPO_ROOT, run_in_process, run_script
 
 from common.errors import PipelineError
-from common.prepare.conversations import Conversation, iter_records, resolve_inputs, to_conversation
+from common.prepare.conversations import Conversation, to_conversation
 from common.prepare.prepare import PrepareOptions, prepare, summary_lines, warning_lines
 from common.prepare.prepared_dataset import COLUMNS, PrepareReport, load_prepared
+from common.prepare.readers import iter_records, resolve_inputs
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 IMAGE_RECORD = {"messages": [

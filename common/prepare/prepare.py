@@ -38,12 +38,11 @@ from common.prepare.conversations import (
     Message,
     Rejection,
     ToolCall,
-    iter_records,
-    resolve_inputs,
     to_conversation,
 )
 from common.prepare.loss_mask import NO_SUPERVISED_TOKENS, ChatMasker, MaskError, template_sha256
 from common.prepare.prepared_dataset import COLUMNS, PrepareReport
+from common.prepare.readers import iter_records, resolve_inputs
 from common.target.config import load_target_info, target_digest
 from common.target.tokenizer import load_tokenizer
 

@@ -40,8 +40,9 @@ from tqdm import tqdm
 
 from common.atomic import atomic_path, read_json, remove_stale_temporaries, write_json
 from common.errors import PipelineError
-from common.prepare.conversations import Conversation, Message, Rejection, iter_records, resolve_inputs, to_conversation
+from common.prepare.conversations import Conversation, Message, Rejection, to_conversation
 from common.prepare.loss_mask import INSTANT_MODE
+from common.prepare.readers import iter_records, resolve_inputs
 from common.regenerate.assistant_output import THINK_OPEN, MalformedToolCall, parse_assistant_text
 
 __all__ = [
