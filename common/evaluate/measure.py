@@ -28,9 +28,7 @@ from common.draft.validation import ValSummary, validation_metrics
 from common.errors import PipelineError
 from common.evaluate.decoding import (
     LOOP_RUN,
-    DraftProposer,
     Generation,
-    NgramProposer,
     SamplingParams,
     SpeculativeStats,
     distinct_ratio,
@@ -40,6 +38,7 @@ from common.evaluate.decoding import (
 )
 from common.evaluate.prompt_sets import PromptItem
 from common.evaluate.prompts import ChatPrompter, Prompt, ask_turns
+from common.evaluate.proposers import DraftProposer, NgramProposer
 from common.extract.hf_engine import capture_layers
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, epoch_tokens, make_loader
 from common.hidden_states.state_files import sample_index

@@ -12,10 +12,11 @@ import pytest
 from helpers import export_untrained
 
 from common.errors import PipelineError
-from common.evaluate.decoding import SamplingParams, ngram_lookup
+from common.evaluate.decoding import SamplingParams
 from common.evaluate.measure import check_draft, measure_each_k, measure_plain_turns
 from common.evaluate.prompt_sets import PromptItem
 from common.evaluate.prompts import ChatPrompter
+from common.evaluate.proposers import ngram_lookup
 from common.target.config import load_target_info
 from common.target.tokenizer import load_tokenizer
 
