@@ -21,7 +21,9 @@ OUTPUT/checkpoints/<epoch>/ after each epoch and OUTPUT/checkpoints/steps/<step>
 `--save-every N` steps (the last two kept): fp32 weights and optimizer, scheduler, RNG states and
 the data position, so `--resume` continues from the latest one, mid-epoch included, exactly as an
 uninterrupted run would (common/train/checkpoints.py). Also OUTPUT/draft/ (bf16), OUTPUT/train_log.jsonl
-(one line per step and validation pass), OUTPUT/train_log.png and OUTPUT/train_report.json.
+(one line per step and validation pass), OUTPUT/train_log.png and OUTPUT/train_report.json; the
+curves also go to the experiment trackers of `--report-to` (TensorBoard into OUTPUT/tensorboard/train/
+by default: `tensorboard --logdir runs/`).
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ from common.online.options import OnlineOptions
 from common.online.states import StateEngineError, open_states
 from common.prepare.fingerprints import check_same_prepared
 from common.target.config import load_target_info
+from common.trackers import add_report_args, resolve_report_to
 from common.train.checkpoints import check_resumable, check_same_settings, last_checkpoint_note, split_warning
 from common.train.distributed import leave_rank, setup_distributed, teardown_distributed
 from common.train.metrics import LOG_FILE, MetricsLog, metrics_logging
 from common.train.settings import TrainSettings, flag_specs
 from common.train.summary import export_chosen, report_run
+from common.train.tracking import train_tracking
 from common.train.trainer import CHECKPOINTS, DRAFT, ProjectTrainer, prepare_checkpoints, prepare_draft, trainer_config
 from common.vocab import load_vocab
 
@@ -82,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="cpu, cuda or cuda:N (default: cuda if available; torchrun: one GPU per rank)")
     training.add_argument("--no-compile", action="store_true",
                           help="run the draft's forward eagerly on GPU too (it is always eager on CPU)")
+    add_report_args(parser, report_to=False)  # --report-to is a training value (config file or flag)
     OnlineOptions.add_args(parser)
     args = parser.parse_args(argv)
     args.online = OnlineOptions.from_args(args)  # --online read here alone: its options, or None (02's files)
@@ -108,6 +113,7 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
                                                 args.preset)
     for line in overrides:
         say(line)
+    resolve_report_to(settings.report_to, say=lambda *_: None)  # a tracker not installed is refused here, not late
     device = torch.device(default_device(None if distributed else args.device))  # torchrun: one GPU per rank
     patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile,
                 loss=settings.loss, target_temperature=settings.target_temperature)
@@ -166,18 +172,24 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
         if resume is not None and start_epoch < settings.epochs:
             say(f"resuming after {resume.describe(settings.epochs)}")
 
-        # 5. training
+        # 5. training, its curves in the experiment trackers (rank 0; common/train/tracking.py)
         start_step = resume.position.global_step if resume is not None and resume.skip_batches else None
-        log = (MetricsLog(output / LOG_FILE, start_epoch, settings.epochs, len(train_loader), tokens, start_step)
-               if is_main else None)
-        with metrics_logging(log):
-            trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume, distributed,
-                                                           device),
-                                     settings, train_loader, val_loader, log, resume)
-            try:
-                trainer.run_training()
-            except StateEngineError as e:
-                raise PipelineError(f"{e}; {last_checkpoint_note(output / CHECKPOINTS)}") from e
+        params = {"training": vars(settings), "target": info.path, "draft_config": str(config_file.path),
+                  "prepared_fingerprint": data.config.prepared_fingerprint, "layer_ids": data.config.layer_ids,
+                  "train_samples": len(train_files), "val_samples": len(val_files), "world_size": world_size}
+        with train_tracking(args, settings, output, resume, is_main, say, params) as tracking:
+            log = (MetricsLog(output / LOG_FILE, start_epoch, settings.epochs, len(train_loader), tokens, start_step,
+                              tracking) if is_main else None)
+            with metrics_logging(log):
+                trainer = ProjectTrainer(model, trainer_config(settings, output / CHECKPOINTS, args.resume,
+                                                               distributed, device),
+                                         settings, train_loader, val_loader, log, resume,
+                                         tracking=bool(tracking.trackers), tracker_state=tracking.trackers.state())
+                try:
+                    trainer.run_training()
+                except StateEngineError as e:
+                    raise PipelineError(f"{e}; {last_checkpoint_note(output / CHECKPOINTS)}") from e
+            tracking.summary(len(skips.skipped), data.summary())
         teardown_distributed()
         if not is_main:
             return 0

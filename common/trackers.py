@@ -37,12 +37,14 @@ DEFAULT_PROJECT = "eagle3"
 TENSORBOARD_DIR = "tensorboard"
 
 
-def add_report_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The tracker flags, one group; returns it so a stage can add its own (04's --log-every)."""
+def add_report_args(parser: argparse.ArgumentParser, report_to: bool = True) -> argparse._ArgumentGroup:
+    """The tracker flags, one group. `report_to=False`: the stage has its own --report-to (04's, a
+    value of its config file)."""
     group = parser.add_argument_group("experiment tracking")
-    group.add_argument("--report-to", nargs="+", choices=("none", *TRACKERS), default=None, metavar="TRACKER",
-                       help="none, or one or more of tensorboard, wandb, trackio (default: tensorboard when the "
-                            "package is installed, writing RUN_DIR/tensorboard/; else none)")
+    if report_to:
+        group.add_argument("--report-to", nargs="+", choices=("none", *TRACKERS), default=None, metavar="TRACKER",
+                           help="none, or one or more of tensorboard, wandb, trackio (default: tensorboard when the "
+                                "package is installed, writing RUN_DIR/tensorboard/STAGE/; else none)")
     group.add_argument("--project", default=DEFAULT_PROJECT,
                        help="W&B / trackio project (default: %(default)s)")
     group.add_argument("--run-name", default=None,
@@ -254,13 +256,16 @@ def open_trackers(report_to: list[str], run_dir: Path, stage: str, project: str 
 
 @contextmanager
 def reporting(args: argparse.Namespace, run_dir: Path, stage: str, enabled: bool = True, say=print,
-              resume_state: Mapping[str, Any] | None = None, start_step: int | None = None) -> Iterator[Trackers]:
-    """The trackers `args` asks for (`add_report_args`), open for the block and closed after it,
-    even on an error; `enabled=False` (ranks other than 0) opens none."""
+              resume_state: Mapping[str, Any] | None = None, start_step: int | None = None,
+              report_to: list[str] | None = None) -> Iterator[Trackers]:
+    """The trackers `args` asks for (`add_report_args`; `report_to` in place of its --report-to where
+    the stage resolved the value elsewhere), open for the block and closed after it, even on an
+    error; `enabled=False` (ranks other than 0) opens none."""
     if not enabled:
         yield Trackers([])
         return
-    trackers = open_trackers(resolve_report_to(args.report_to, say), run_dir, stage, args.project, args.run_name,
+    wanted = report_to if report_to is not None else getattr(args, "report_to", None)
+    trackers = open_trackers(resolve_report_to(wanted, say), run_dir, stage, args.project, args.run_name,
                              resume_state, start_step)
     if trackers:
         say(f"reporting to {trackers.describe()}")

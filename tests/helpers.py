@@ -338,3 +338,13 @@ def installed_loss() -> DraftLoss | None:
         return None
     assert getattr(metrics, "__func__", None) is DraftLoss.compute_metrics, metrics
     return metrics.__self__
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar curve of a TensorBoard folder as [(step, value), ...], read back as TensorBoard
+    reads it (events a resumed run purged are gone)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -24,6 +24,7 @@ from helpers import (
     kill_after_step_checkpoint,
     run_in_process,
     run_script,
+    tensorboard_scalars,
     write_hidden_states,
     write_vocab_folder,
 )
@@ -301,6 +302,8 @@ def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
              "--total-seq-len", "128", "--val-ratio", "0.25")
     out = capsys.readouterr().out
     assert "epoch 1/1:" in out and "simulated acceptance length" in out
+    assert f"reporting to tensorboard: {tmp_path / 'out' / 'tensorboard' / 'train'}" in out  # the default
+    assert "train/loss" in tensorboard_scalars(tmp_path / "out" / "tensorboard" / "train")
     config = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())
     assert config["transformer_layer_config"]["rope_theta"] == 10000.0  # the flat target's own
     assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
@@ -323,9 +326,23 @@ def test_trains_on_fp8_data_through_the_library_loader(tmp_path, kimi_target, ca
     write_vocab_folder(tmp_path / "vocab", info.vocab_size)
     train_in_process("--target", kimi_target, "--trust-remote-code", "--draft-config", TINY_CONFIG,
                      "--data", data_dir, "--vocab", tmp_path / "vocab", "--output", tmp_path / "out",
-                     "--epochs", "1", "--total-seq-len", "128", "--val-ratio", "0.25")
-    assert "simulated acceptance length" in capsys.readouterr().out
+                     "--epochs", "1", "--total-seq-len", "128", "--val-ratio", "0.25", "--report-to", "none")
+    out = capsys.readouterr().out
+    assert "simulated acceptance length" in out and "reporting to" not in out
     assert (tmp_path / "out" / "draft" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / "tensorboard").exists() and not (tmp_path / "out" / "wandb").exists()
+
+
+def test_a_tracker_not_installed_is_refused_before_training(tmp_path, flat_target, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as where the package is not installed
+    write_hidden_states(tmp_path / "hs", flat_target, num_samples=4)
+    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target, trust_remote_code=True).vocab_size)
+    result = run_in_process(SCRIPT, "--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
+                            "--vocab", tmp_path / "vocab", "--output", tmp_path / "out", "--report-to", "wandb")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == ("error: --report-to wandb needs the wandb package, which is not "
+                                                      "installed: pip install wandb")
+    assert not (tmp_path / "out").exists()
 
 
 # --- resuming mid-epoch equals an uninterrupted run --------------------------------------------
@@ -377,8 +394,52 @@ def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data,
     resumed = run_script(SCRIPT, *small_args(small_data, flat_target, killed, *extra, "--resume")).stdout
     assert "resuming after step checkpoint" in resumed
     assert_same_training(small_data, whole, killed, last_epoch=1)
+    # TensorBoard: the killed run's steps past its checkpoint purged, one curve as the uninterrupted run's
+    curves = {name: tensorboard_scalars(small_data / name / "tensorboard" / "train") for name in (whole, killed)}
+    for tag in ("train/loss", "train/full_acc_0", "train/grad_norm", "val/loss", "val/acceptance_length_k3"):
+        assert curves[killed][tag] == curves[whole][tag], tag
+    assert [s for s, _ in curves[whole]["train/loss"]] == list(range(1, 65))
     kept = checkpoints.numbered(small_data / whole / "checkpoints" / "steps")
     assert kept == [55, 60]  # the last two of every 5th step, the epoch ends (32, 64) excepted
+
+
+@pytest.mark.slow
+def test_curves_in_tensorboard_and_wandb_continue_on_resume(small_data, flat_target):
+    """--report-to tensorboard wandb (W&B offline): every --log-every 4 steps the window's mean loss and
+    accuracies, tokens/s, gradient norm and both groups' learning rates; each validation pass's loss and
+    acceptance length at each k; the W&B run id kept in the checkpoint and continued by --resume."""
+    out, env = small_data / "tracked", {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    flags = ("--report-to", "tensorboard", "wandb", "--log-every", "4")
+    first = run_script(SCRIPT, *small_args(small_data, flat_target, "tracked", "--epochs", "1", *flags), env=env).stdout
+    assert f"reporting to tensorboard: {out / 'tensorboard' / 'train'}; wandb: " in first
+    curves = tensorboard_scalars(out / "tensorboard" / "train")
+    records = read_log(out / LOG)
+    train = {r["step"]: r for r in records if "train" in r}
+    reported = [s + 1 for s in sorted(train) if (s + 1) % 4 == 0]
+    for tag in ("train/loss", "train/loss_2", "train/full_acc_0", "train/cond_acc_1", "train/tokens_per_s",
+                "train/grad_norm", "train/lr/muon", "train/lr/adamw"):
+        assert [s for s, _ in curves[tag]] == reported, tag
+    first_window = [train[s]["train"]["loss"] for s in range(4)]
+    assert curves["train/loss"][0][1] == pytest.approx(sum(first_window) / 4, rel=1e-6)
+    assert curves["train/grad_norm"][0][1] == pytest.approx(train[3]["grad_norm"], rel=1e-6)
+    assert curves["train/lr/muon"][1][1] == pytest.approx(train[7]["lrs"]["muon"], rel=1e-6)
+    val_step = next(r["step"] for r in records if "val" in r)
+    for tag in ("val/loss", "val/full_acc_2", "val/acceptance_length_k1", "val/acceptance_length_k3",
+                "epoch/tokens_per_s"):
+        assert [s for s, _ in curves[tag]] == [val_step], tag
+    run_id = json.loads((out / "checkpoints" / "0" / checkpoints.STATE_FILE).read_text())["trackers"]["wandb_run_id"]
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and runs[0].name.endswith(f"-{run_id}") and (runs[0] / "files").is_dir()
+
+    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, "tracked", "--epochs", "2", *flags, "--resume"),
+                         env=env).stdout
+    assert "resuming after checkpoint" in resumed
+    runs = sorted((out / "wandb").glob("offline-run-*"))  # one folder per process, both of the one run id
+    assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)
+    curves = tensorboard_scalars(out / "tensorboard" / "train")
+    train = sorted(r["step"] for r in read_log(out / LOG) if "train" in r)
+    assert [s for s, _ in curves["train/loss"]] == [s + 1 for s in train if (s + 1) % 4 == 0]
+    assert len(curves["val/loss"]) == 2 and curves["val/loss"][0][0] == val_step
 
 
 @pytest.mark.slow

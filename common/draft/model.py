@@ -93,6 +93,8 @@ def _type_ok(value: Any, annotation: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if typing.get_origin(annotation) is list:  # list[str]: a list of such values
+        return isinstance(value, list) and all(_type_ok(v, typing.get_args(annotation)[0]) for v in value)
     return isinstance(value, annotation)
 
 

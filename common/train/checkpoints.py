@@ -38,7 +38,8 @@ STATE_FORMAT = 2
 SPLIT_BY_ROW_FORMAT = 2  # from this format on, the run split its data by prepared row (loader.py's split_rows)
 KEEP_STEP_CHECKPOINTS = 2
 # Training settings a resumed run may change: each takes effect from the resumed step.
-CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every", "select_k")  # select_k: which epoch is exported
+# select_k: which epoch is exported; report_to, log_every: where and how often the curves go
+CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every", "select_k", "report_to", "log_every")
 # Settings that checkpoints of earlier versions did not record, at the value those trained with.
 UNRECORDED = {"target_temperature": 1.0}
 
@@ -117,12 +118,21 @@ def check_readable(folder: Path) -> None:
                                 "to start over") from e
 
 
-def write_state(folder: Path, position: Position, rank: int, settings: dict | None = None) -> None:
-    """This rank's RNG state, and (rank 0) the position and the training settings, into a
-    checkpoint folder being written."""
+def write_state(folder: Path, position: Position, rank: int, settings: dict | None = None,
+                trackers: dict | None = None) -> None:
+    """This rank's RNG state, and (rank 0) the position, the training settings and what the
+    experiment trackers need to continue the same runs (a W&B run id), into a checkpoint folder
+    being written."""
     torch.save(capture_rng(), folder / rng_file(rank))
     if rank == 0:
-        write_json(folder / STATE_FILE, {"format": STATE_FORMAT, **asdict(position), "settings": settings})
+        write_json(folder / STATE_FILE, {"format": STATE_FORMAT, **asdict(position), "settings": settings,
+                                         "trackers": trackers or {}})
+
+
+def read_tracker_state(point: ResumePoint | None) -> dict:
+    """The trackers' state a checkpoint kept (`write_state`); empty for a fresh run or an older checkpoint."""
+    path = point.folder / STATE_FILE if point is not None else None
+    return read_json(path).get("trackers") or {} if path is not None and path.is_file() else {}
 
 
 def split_warning(point: ResumePoint) -> str | None:
@@ -143,6 +153,7 @@ def read_position(folder: Path) -> Position | None:
     data = read_json(path)
     data.pop("format", None)
     data.pop("settings", None)
+    data.pop("trackers", None)
     return Position(**data)
 
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from common.atomic import atomic_path
 from common.draft.validation import ValSummary, per_step
+from common.train.tracking import TrainTracking
 
 LOG_FILE = "train_log.jsonl"
 PLOT_FILE = "train_log.png"
@@ -42,11 +43,12 @@ class MetricsLog(logging.Handler):
     first, so the log reads as one uninterrupted training."""
 
     def __init__(self, path: Path, start_epoch: int, epochs: int, steps_per_epoch: int, tokens_per_epoch: int,
-                 start_step: int | None = None) -> None:
+                 start_step: int | None = None, tracking: TrainTracking | None = None) -> None:
         """`start_step`: the global step a mid-epoch resume continues at (steps of `start_epoch`
-        before it are kept)."""
+        before it are kept); `tracking`: the experiment trackers' view of the same records."""
         super().__init__(logging.INFO)
         self.path = path
+        self.tracking = tracking
         self.epochs = epochs
         self.steps_per_epoch = steps_per_epoch
         self.tokens_per_epoch = tokens_per_epoch
@@ -68,6 +70,8 @@ class MetricsLog(logging.Handler):
             return
         self.file.write(json.dumps({"step": getattr(record, "step", None), **record.msg}) + "\n")
         self.file.flush()
+        if self.tracking is not None:
+            self.tracking.record(getattr(record, "step", 0), dict(record.msg))
         if "train" in record.msg and self.bar is not None:
             metrics = record.msg["train"]
             self.train_losses.append(metrics["loss"])
@@ -80,6 +84,8 @@ class MetricsLog(logging.Handler):
         """`done`: steps of the epoch trained before a resume."""
         self.bar = tqdm(total=self.steps_per_epoch, initial=done, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
         self.train_losses, self.last_val = (self.resumed_losses if done else []), None
+        if self.tracking is not None:
+            self.tracking.epoch_start()
 
     def epoch_done(self, epoch: int, train_seconds: float, wait_seconds: float | None = None) -> None:
         """One fixed-format line per epoch, and a fresh plot. `wait_seconds`: the time the trainer
@@ -95,6 +101,8 @@ class MetricsLog(logging.Handler):
         waited = (f", waited {wait_seconds:.1f}s for hidden states ({wait_seconds / train_seconds:.0%})"
                   if wait_seconds is not None and train_seconds else "")
         tqdm.write(f"{line}, {train_seconds:.1f}s, {rate:,.0f} tok/s{waited}")
+        if self.tracking is not None:
+            self.tracking.epoch(train_seconds, self.tokens_per_epoch, wait_seconds)
         plot_metrics(read_log(self.path), self.path.with_name(PLOT_FILE))
 
     def close(self) -> None:

@@ -75,6 +75,14 @@ def build_optimizer(model: torch.nn.Module, settings: TrainSettings) -> torch.op
     return MuonWithAdamW(matrices, rest, settings.lr, settings.muon_lr or settings.lr, settings.muon_weight_decay)
 
 
+def group_learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The current learning rate of each member: {"muon": .., "adamw": ..} (the first group's of each),
+    or {"adamw": ..} for AdamW alone."""
+    if isinstance(optimizer, MuonWithAdamW):
+        return {"muon": optimizer.muon.param_groups[0]["lr"], "adamw": optimizer.adamw.param_groups[0]["lr"]}
+    return {"adamw": optimizer.param_groups[0]["lr"]}
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, settings: TrainSettings,
                     steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR | None:
     """The library's schedule (its `setup_optimizer`): warm-up of `warmup_steps` (default 1% of

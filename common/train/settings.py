@@ -16,6 +16,7 @@ import torch
 from common.draft.loss import LOSSES
 from common.draft.model import DraftConfigFile, checked_fields
 from common.errors import PipelineError
+from common.trackers import TRACKERS
 
 SCHEDULERS = ("linear", "cosine", "none")
 OPTIMIZERS = ("muon", "adamw")
@@ -24,9 +25,9 @@ INITS = ("normal", "torch")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
-def _setting(default: Any, text: str) -> Any:
-    """A field with the help text of its flag."""
-    return field(default=default, metadata={"help": text})
+def _setting(default: Any, text: str, **flag: Any) -> Any:
+    """A field with the help text of its flag (and any other `add_argument` keywords)."""
+    return field(default=default, metadata={"help": text, **flag})
 
 
 @dataclass
@@ -78,6 +79,12 @@ class TrainSettings:
                                       "CPUs, where bf16 is slower)")
     save_every: int = _setting(0, "optimizer steps between step checkpoints in checkpoints/steps/ (the last 2 are "
                                   "kept; 0: at the end of each epoch only)")
+    report_to: list[str] | None = _setting(None, "experiment trackers: none, or one or more of tensorboard (into "
+                                                 "OUTPUT/tensorboard/train/), wandb, trackio (default: tensorboard "
+                                                 "when installed, else none)", choices=("none", *TRACKERS),
+                                           metavar="TRACKER")
+    log_every: int = _setting(1, "optimizer steps between the scalars sent to the trackers (the gradient norm and "
+                                 "memory are read only then)")
 
     @classmethod
     def resolve(cls, file: DraftConfigFile, flags: dict[str, Any],
@@ -122,7 +129,11 @@ class TrainSettings:
                  (f"--warmup-steps {self.warmup_steps}", self.warmup_steps is None or self.warmup_steps >= 1,
                   "at least 1 (leave it unset for 1% of all steps)"),
                  (f"--num-workers {self.num_workers}", self.num_workers >= 0, "0 or more"),
-                 (f"--save-every {self.save_every}", self.save_every >= 0, "0 (off) or more")]
+                 (f"--save-every {self.save_every}", self.save_every >= 0, "0 (off) or more"),
+                 (f"--log-every {self.log_every}", self.log_every >= 1, "at least 1"),
+                 (f"--report-to {' '.join(self.report_to or [])}",
+                  self.report_to is None or (bool(self.report_to) and set(self.report_to) <= {"none", *TRACKERS}),
+                  f"none or some of {', '.join(TRACKERS)}")]
         for flag, ok, rule in rules:
             if not ok:
                 raise PipelineError(f"{flag}: must be {rule}")
@@ -158,11 +169,14 @@ def flag_specs() -> dict[str, dict[str, Any]]:
 
 
 def _flag_spec(f: Field, hint: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {"default": None, "help": f.metadata["help"]}
+    spec: dict[str, Any] = {"default": None, **f.metadata}
     if hint is bool:
         return {**spec, "action": argparse.BooleanOptionalAction}
     kinds = [t for t in typing.get_args(hint) if t is not type(None)]  # `int | None` -> int
-    return {**spec, "type": kinds[0] if kinds else hint}
+    kind = kinds[0] if kinds else hint
+    if typing.get_origin(kind) is list:  # `list[str] | None` -> one or more values
+        return {**spec, "nargs": "+", "type": typing.get_args(kind)[0]}
+    return {**spec, "type": kind}
 
 
 def read_preset(path: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ metrics log (common/train/metrics.py). The data path is common/hidden_states/loa
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Iterator
@@ -30,13 +31,16 @@ from common.draft.model import config_differences, read_saved_config, saved_tens
 from common.errors import PipelineError
 from common.train import checkpoints
 from common.train.checkpoints import Position, ResumePoint
-from common.train.metrics import LOG_FILE, PLOT_FILE, REPORT_FILE, MetricsLog
+from common.train.metrics import LOG_FILE, METRICS_LOGGER, PLOT_FILE, REPORT_FILE, MetricsLog
 from common.train.optimizers import build_optimizer, build_scheduler
 from common.train.settings import TrainSettings
+from common.train.tracking import TENSORBOARD_TRAIN, step_extras
 
 CHECKPOINTS = "checkpoints"
 DRAFT = "draft"
-RUN_OUTPUTS = (CHECKPOINTS, DRAFT, LOG_FILE, PLOT_FILE, REPORT_FILE)  # what one run of 04 writes into its folder
+# what one run of 04 writes into its folder (its curves in a sub-folder of the run's tensorboard/)
+RUN_OUTPUTS = (CHECKPOINTS, DRAFT, LOG_FILE, PLOT_FILE, REPORT_FILE, TENSORBOARD_TRAIN)
+METRICS = logging.getLogger(METRICS_LOGGER)  # the library's metrics logger, read by MetricsLog
 STAGING = TMP_PREFIX + "checkpoint"  # not an int: the library's checkpointer never takes it for an epoch
 
 
@@ -102,7 +106,9 @@ def move_earlier_run_aside(output: Path) -> Path | None:
         kept = output / f"train.previous-{stamp}-{n}"
     kept.mkdir()
     for path in found:
-        path.rename(kept / path.name)
+        moved = kept / path.relative_to(output)
+        moved.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(moved)
     print(f"starting over: the outputs of an earlier run ({', '.join(p.name for p in found)}) were moved to {kept} "
           "(pass --resume to continue a run instead; delete that folder when it is no longer needed)")
     return kept
@@ -117,7 +123,8 @@ class ProjectTrainer(Trainer):
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig, settings: TrainSettings,
                  train_loader: DataLoader, val_loader: DataLoader | None, progress: MetricsLog | None,
-                 resume: ResumePoint | None = None) -> None:
+                 resume: ResumePoint | None = None, tracking: bool = False,
+                 tracker_state: dict | None = None) -> None:
         self.resume = resume  # read by setup_trainer, which the library's constructor calls
         self.settings = settings  # read by setup_optimizer, likewise
         self.rank = dist.get_rank() if config.is_distributed else 0
@@ -130,6 +137,8 @@ class ProjectTrainer(Trainer):
             self.load_resume_point(resume)
         self.progress = progress
         self.save_every = settings.save_every
+        self.track_every = settings.log_every if tracking else 0  # steps between the trackers' extra scalars
+        self.tracker_state = tracker_state or {}  # kept in each checkpoint, so --resume continues the same runs
         self.train_seconds = 0.0
         self.wait_seconds: float | None = None  # of the last epoch, when the states are computed online
         self.state_waits: dict[int, float] = {}  # epoch -> wait_seconds
@@ -192,21 +201,47 @@ class ProjectTrainer(Trainer):
                                 "recipe flags it was trained with, or drop --resume to start over")
 
     def train_epoch(self, epoch: int) -> None:
-        """The library's epoch, iterating `EpochBatches` instead of the loader itself."""
+        """The library's training epoch (its `train_epoch`: forward, backward, gradients clipped at
+        norm 1, optimizer and scheduler step, the metric record of each step), over `epoch_batches`.
+        Each record also holds the step's tokens and, every `log_every` steps where trackers listen
+        (`track_every`), the gradient norm, each group's learning rate, the peak memory and the wait
+        for states: read only then, as the norm's `.item()` waits for the GPU."""
         skip = self.resume.skip_batches if self.resume is not None and self.resume.epoch == epoch else 0
         if self.progress is not None:
             self.progress.epoch_start(epoch, skip)
         start = time.perf_counter()
-        loader = self.train_loader
-        self.train_loader = EpochBatches(self, loader, epoch)
-        try:
-            super().train_epoch(epoch)
-        finally:
-            self.train_loader = loader
+        self.model.train()
+        sampler = self.train_loader.batch_sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        for batch in self.epoch_batches(self.train_loader, epoch):
+            self.train_step(batch, epoch)
         self.train_seconds = time.perf_counter() - start
-        self.wait_seconds = getattr(loader.batch_sampler, "wait_seconds", None)  # online sources measure it
+        self.wait_seconds = getattr(sampler, "wait_seconds", None)  # online sources measure it
         if self.wait_seconds is not None:
             self.state_waits[epoch] = self.wait_seconds
+
+    def train_step(self, batch: dict, epoch: int) -> None:
+        """One optimizer step, as the library's loop takes it, and its metric record."""
+        device_batch = {k: v.to(self.local_rank, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in batch.items()}
+        _draft_tokens, loss, metrics = self.model(**device_batch, **self.config.train_call_kwargs)
+        self.opt.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        record = {"epoch": epoch, "lr": self.opt.param_groups[0]["lr"]}
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.is_distributed:
+            for value in metrics.values():
+                patch.AVERAGING_DIST.reduce(value, dst=0, op=dist.ReduceOp.AVG)
+        record = {"train": {k: v.item() for k, v in metrics.items()}, **record,
+                  "tokens": int(batch["lengths"].sum()) if "lengths" in batch else None}
+        if self.track_every and (self.global_step + 1) % self.track_every == 0:
+            record.update(step_extras(self.opt, grad_norm, self.train_loader.batch_sampler, self.local_rank))
+        METRICS.info(record, extra={"step": self.global_step})
+        self.global_step += 1
 
     def epoch_batches(self, loader: DataLoader, epoch: int) -> Iterator[dict]:
         """The epoch's batches, after those a resumed step checkpoint already trained, with a step
@@ -252,7 +287,7 @@ class ProjectTrainer(Trainer):
         name = str(position.epoch if position.epoch_complete else position.global_step)
         staging = root / STAGING
         (staging / name).mkdir(parents=True, exist_ok=True)
-        checkpoints.write_state(staging / name, position, self.rank, vars(self.settings))
+        checkpoints.write_state(staging / name, position, self.rank, vars(self.settings), self.tracker_state)
         saved_path, self.checkpointer.path = self.checkpointer.path, staging
         try:
             self.checkpointer.save_checkpoint(self.model, self.opt, name, float_dtype=torch.float32)
@@ -285,22 +320,6 @@ def autocast(model: torch.nn.Module, device_type: str, dtype: torch.dtype | None
             return forward(*args, **kwargs)
 
     model.forward = autocast_forward
-
-
-class EpochBatches:
-    """What the library's `train_epoch` iterates in place of the training loader: it reads only
-    `batch_sampler` (to set the epoch), iterates, and may take the length; the batches come
-    from `ProjectTrainer.epoch_batches`."""
-
-    def __init__(self, trainer: ProjectTrainer, loader: DataLoader, epoch: int) -> None:
-        self.trainer, self.loader, self.epoch = trainer, loader, epoch
-        self.batch_sampler = loader.batch_sampler
-
-    def __iter__(self) -> Iterator[dict]:
-        return self.trainer.epoch_batches(self.loader, self.epoch)
-
-    def __len__(self) -> int:
-        return len(self.loader)
 
 
 def trainer_config(settings: TrainSettings, checkpoints: Path, resume: bool, distributed: bool,
