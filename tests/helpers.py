@@ -340,6 +340,56 @@ def installed_loss() -> DraftLoss | None:
     return metrics.__self__
 
 
+# --- a small transformers model and a hidden-state server without vLLM ------------------------
+
+
+def tiny_llama(layers: int = 4, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised Llama in fp32 (hidden size 32, vocabulary 128), in eval mode: a real
+    transformers causal LM small enough to build inside a test."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
+
+
+@contextmanager
+def hidden_state_server(monkeypatch, folder: Path, model: str, layer_ids: list[int], states_of) -> Iterator[str]:
+    """common/vllm/state_server.py's `StateServer` on a free local port for the block (its URL), with
+    vLLM's extraction (`common.vllm.worker.extract`, which needs an engine) replaced by `states_of`
+    (token ids -> states [S, L, H]), written into `folder` as vLLM's connector writes them: one
+    safetensors file per prompt, with its `.lock` beside it."""
+    import itertools
+    import threading
+
+    from common.vllm import state_server
+
+    count = itertools.count()
+
+    def extract(_llm, prompts: list[list[int]]) -> dict:
+        files = []
+        for ids in prompts:
+            path = folder / f"states-{next(count)}.safetensors"
+            save_file({"hidden_states": states_of(ids), "token_ids": torch.tensor(ids)}, str(path))
+            Path(f"{path}.lock").touch()
+            files.append(str(path))
+        return {"files": files}
+
+    folder.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(state_server, "extract", extract)
+    server = state_server.StateServer(("127.0.0.1", 0), None, {"model": model, "extract_layer_ids": layer_ids}, "test")
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar curve of a TensorBoard folder as [(step, value), ...], read back as TensorBoard
     reads it (events a resumed run purged are gone)."""

@@ -5,9 +5,10 @@ naming the sample; the disk estimate counts the stored states of each storage.""
 from __future__ import annotations
 
 import pytest
+from datasets import Dataset
 
 from common.errors import PipelineError
-from common.extract.batches import estimate_bytes, plan_batches, shard_batches
+from common.extract.batches import check_token_ids, estimate_bytes, plan_batches, shard_batches
 from common.hidden_states.storage import STORAGES
 
 
@@ -29,3 +30,16 @@ def test_bytes_estimate_is_four_bf16_states_per_token():
     assert estimate_bytes(1000, 0, 7168) == 1000 * (4 * 7168 * 2 + 16)
     # fp8: one byte per value and a bf16 scale per token row of each state.
     assert estimate_bytes(1000, 0, 7168, STORAGES["fp8"]) == 1000 * (4 * (7168 + 2) + 16)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_sample():
+    rows = {"sample_id": ["a", "b", "c"], "input_ids": [[1, 2, 3], [4, 99, 5, 6], [100, 7]]}
+    ds = Dataset.from_dict(rows)
+    assert check_token_ids(ds, 3, 101) == [3, 4, 2]  # each row's length
+    assert check_token_ids(ds, 2, 100) == [3, 4]  # only the rows this run extracts are checked
+    with pytest.raises(PipelineError, match=r"^prepared sample c \(row 2\) holds token id 100, outside the "
+                                            r"target's vocabulary 0\.\.99: the data was prepared with another "
+                                            r"tokenizer; re-run 01_prepare_data\.py with this --target"):
+        check_token_ids(ds, 3, 100)
+    with pytest.raises(PipelineError, match=r"prepared sample b \(row 1\) holds token id 99"):
+        check_token_ids(ds, 3, 50)
