@@ -7,7 +7,8 @@ draft's bare step on the same batches already in memory; then where 04's step ti
 
 1. 01 -> 02 -> 03 once into RUN_DIR (default bench/out/train04-<target>: the demo conversations,
    a 2048-token draft vocabulary, as bench/bench_04_recipe.py prepares them).
-2. Each repeat, alternating: `04_train.py --epochs 1` (configs/draft_tiny.json otherwise: Muon,
+2. Each repeat, alternating: `04_train.py --epochs 1`, once reporting to TensorBoard (the default) and
+   once with `--report-to none` (configs/draft_tiny.json otherwise: Muon,
    3 TTT steps fed the dataset's tokens, draft lm_head trained, noise, 1,024-token packs) as a
    subprocess, its epoch's tokens/s from train_report.json; upstream's trainer on the same rows
    (bench/upstream/adapter.py: its own environment .venv-speculators/, created by
@@ -20,8 +21,9 @@ draft's bare step on the same batches already in memory; then where 04's step ti
    the data path, the draft's forward (its verifier-logits and loss part apart), backward,
    optimizer and checkpoint writes.
 
-Prints the medians and `ratio_vs_upstream` (goal >= 1.0) and `ratio_vs_bare_step` (goal >= 0.9),
-written with the profile to FILE by `--json`.
+Prints the medians and `ratio_vs_upstream` (goal >= 1.0), `ratio_vs_bare_step` (goal >= 0.9) and
+`ratio_tensorboard_vs_no_tracker` (04 as run by default, reporting to TensorBoard, against
+`--report-to none`; goal >= 0.98), written with the profile to FILE by `--json`.
 """
 
 from __future__ import annotations
@@ -75,11 +77,11 @@ class Epoch:
 
 # --- 04, as a subprocess ---
 
-def time_04(run_dir: Path, target: Path, out: Path) -> float:
-    """Tokens/s of one epoch of `04_train.py` (its train_report.json)."""
+def time_04(run_dir: Path, target: Path, out: Path, report_to: str = "tensorboard") -> float:
+    """Tokens/s of one epoch of `04_train.py` (its train_report.json), reporting to `report_to`."""
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "04_train.py"), "--run-dir", str(run_dir),
                            *map(str, target_args(target)), "--draft-config", str(TINY_CONFIG), "--output", str(out),
-                           "--epochs", "1"], cwd=REPO_ROOT, capture_output=True, text=True)
+                           "--epochs", "1", "--report-to", report_to], cwd=REPO_ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"04_train.py exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return json.loads((out / "train_report.json").read_text())["tokens_per_second"]
@@ -173,9 +175,9 @@ def instrumented(profile: Profile) -> Iterator[None]:
     from speculators.models.eagle3 import core
     from speculators.models.eagle3.core import Eagle3DraftModel
 
-    trainer_class, epoch_batches = project_trainer.ProjectTrainer, project_trainer.EpochBatches
+    trainer_class = project_trainer.ProjectTrainer
     apply, train_epoch, setup_optimizer = patch.apply, trainer_class.train_epoch, trainer_class.setup_optimizer
-    batches_of = epoch_batches.__iter__
+    batches_of = trainer_class.epoch_batches
 
     def apply_then_time(**kwargs) -> None:  # 04 installs its forward through the patch; the timer wraps that
         apply(**kwargs)
@@ -195,8 +197,8 @@ def instrumented(profile: Profile) -> Iterator[None]:
         train_epoch(self, epoch)
         profile.train += time.perf_counter() - start
 
-    def timed_batches(self) -> Iterator[dict]:
-        batches = batches_of(self)
+    def timed_batches(self, loader, epoch: int) -> Iterator[dict]:
+        batches = batches_of(self, loader, epoch)
         while True:
             start = time.perf_counter()
             try:
@@ -213,7 +215,7 @@ def instrumented(profile: Profile) -> Iterator[None]:
         self.opt.step = profile.timed("optimizer (clip, step, schedule)", self.opt.step)  # not in its state_dict
 
     swaps = ((patch, "apply", apply_then_time), (trainer_class, "train_epoch", timed_train_epoch),
-             (epoch_batches, "__iter__", timed_batches), (trainer_class, "setup_optimizer", timed_setup_optimizer),
+             (trainer_class, "epoch_batches", timed_batches), (trainer_class, "setup_optimizer", timed_setup_optimizer),
              (trainer_class, "save_step_checkpoint", profile.timed("checkpoint writes", trainer_class.save_step_checkpoint)),
              (trainer_class, "save_checkpoint", profile.timed("epoch checkpoint", trainer_class.save_checkpoint)),
              (trainer_class, "val_epoch", profile.timed("validation pass", trainer_class.val_epoch)),
@@ -251,11 +253,12 @@ def run(target_name: str, run_dir: Path, repeats: int, with_upstream: bool, setu
     if with_upstream and not upstream.available():
         print(upstream.missing_message() + " or pass --setup-upstream")
         with_upstream = False
-    rates: dict[str, list[float]] = {"04": [], "upstream": [], "bare_step": []}
+    rates: dict[str, list[float]] = {"04": [], "04_no_tracker": [], "upstream": [], "bare_step": []}
     steps = 0
     with tempfile.TemporaryDirectory(dir=run_dir) as tmp:
         for r in range(repeats):
             rates["04"].append(time_04(run_dir, target, Path(tmp) / f"04-{r}"))
+            rates["04_no_tracker"].append(time_04(run_dir, target, Path(tmp) / f"04-none-{r}", report_to="none"))
             if with_upstream:
                 rates["upstream"].append(time_upstream(run_dir, target, Path(tmp) / f"upstream-{r}"))
             rate, steps = bare_step(run_dir, target)
@@ -269,6 +272,7 @@ def run(target_name: str, run_dir: Path, repeats: int, with_upstream: bool, setu
             "median_tokens_per_s": medians,
             "ratio_vs_upstream": medians["04"] / medians["upstream"] if "upstream" in medians else None,
             "ratio_vs_bare_step": medians["04"] / medians["bare_step"],
+            "ratio_tensorboard_vs_no_tracker": medians["04"] / medians["04_no_tracker"],
             "profile": [{"phase": p, "ms_per_step": ms, "share_of_training": share} for p, ms, share in profile.rows()],
             "profile_steps": profile.steps, "profile_train_seconds": profile.train}
 
@@ -284,6 +288,9 @@ def report(result: dict) -> str:
         lines.append(f"ratio vs upstream {result['ratio_vs_upstream']:.3f} (goal >= 1.0: {ok})")
     ok = "met" if result["ratio_vs_bare_step"] >= 0.9 else "NOT met"
     lines.append(f"ratio vs bare step {result['ratio_vs_bare_step']:.3f} (goal >= 0.9: {ok})")
+    ok = "met" if result["ratio_tensorboard_vs_no_tracker"] >= 0.98 else "NOT met"
+    lines.append(f"ratio with --report-to tensorboard vs none {result['ratio_tensorboard_vs_no_tracker']:.3f} "
+                 f"(no tracker: {m['04_no_tracker']:,.0f} tok/s; goal >= 0.98: {ok})")
     lines.append(f"where 04's step time goes ({result['profile_steps']} steps, {result['profile_train_seconds']:.1f} s "
                  "of training; the last two once per epoch, after it):")
     lines += [f"  {row['phase']:<34} {row['ms_per_step']:>8.1f} ms/step {row['share_of_training']:>7.1%}"
