@@ -29,7 +29,8 @@ from common.defaults import demo_inputs
 from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
 from common.regenerate.engines import open_engine
-from common.regenerate.run import RegenerateOptions, regenerate, summary_lines
+from common.regenerate.options import RegenerateOptions
+from common.regenerate.run import regenerate, summary_lines
 from common.target.config import TargetInfo, load_target_info
 from common.target.tokenizer import load_tokenizer
 

@@ -1,8 +1,8 @@
-"""Step 00 (common/regenerate/run.py, common/regenerate/assistant_output.py): the regenerated turns are the
-target's own greedy generations given the regenerated history, 01's masks on the output cover
-exactly the assistant turns, a SIGKILLed run resumes without repeating or losing a conversation,
-bad records are skipped and counted, and a generation is read back into reasoning, content and
-tool calls."""
+"""Step 00 (00_regenerate.py over common/regenerate/): the regenerated turns are the target's own
+greedy generations given the regenerated history, 01's masks on the output cover exactly the
+assistant turns, a SIGKILLed run resumes without repeating or losing a conversation, a resumed run
+with other settings is refused, and the vLLM engines regenerate what the HF engine does. The units
+(reading a generation back, the tool-call rule, bad records) are tested in tests/common/regenerate/."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
 
 from common.defaults import REPO_ROOT
 from common.evaluate.decoding import plain_generate
-from common.prepare.conversations import Conversation, Message, ToolCall, to_conversation
 from common.prepare.prepare import PrepareOptions, prepare
 from common.prepare.prepared_dataset import load_prepared
-from common.regenerate.assistant_output import MalformedToolCall, parse_assistant_text
+from common.regenerate.assistant_output import parse_assistant_text
 from common.regenerate.engines import HfEngine
-from common.regenerate.run import TOOL_CALLS_DIVERGED, RegenerateOptions, _Turns, regenerate
+from common.regenerate.options import RegenerateOptions
+from common.regenerate.run import regenerate
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer
@@ -155,23 +155,6 @@ def test_resume_after_sigkill_neither_repeats_nor_loses(kimi_target, regenerated
     assert not list(out.rglob(".tmp-*"))
 
 
-def test_bad_rows_are_skipped_and_counted_and_every_format_is_read(kimi, kimi_target, tmp_path):
-    data = tmp_path / "mixed.jsonl"
-    rows = ['{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}',
-            "{not json",
-            '{"text": "no conversation"}',
-            '{"messages": [{"role": "user", "content": "only a question"}]}',
-            '{"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]}']
-    data.write_text("\n".join(rows) + "\n")
-    options = RegenerateOptions(inputs=[data], target=kimi_target, output=tmp_path / "out", temperature=0.0,
-                                top_p=1.0, max_new_tokens=MAX_NEW, keep_cut=True)
-    report = regenerate(options, kimi[2], engine_of(kimi, 2))
-    assert report["records_read"] == 5
-    assert report["dropped"] == {"malformed_record": 2, "no_assistant_turn": 1}
-    assert report["regenerated"] == 2
-    assert [r["id"] for r in read_regenerated(tmp_path / "out")] == [f"{data}:1", f"{data}:5"]
-
-
 def test_a_resumed_run_with_other_settings_is_refused(kimi, kimi_target, regenerated):
     from common.errors import PipelineError
 
@@ -180,53 +163,6 @@ def test_a_resumed_run_with_other_settings_is_refused(kimi, kimi_target, regener
                                 output=out, **{**SETTINGS, "max_new_tokens": MAX_NEW + 1})
     with pytest.raises(PipelineError, match="max_new_tokens"):
         regenerate(options, kimi[2], engine_of(kimi, 3))
-
-
-# --- reading a generation back, and the tool-call rule (no model) ------------------------------
-
-def test_generation_is_split_into_reasoning_content_and_tool_calls():
-    text = ("Look it up.</think>Searching.<|tool_calls_section_begin|><|tool_call_begin|>functions.search_web:0"
-            '<|tool_call_argument_begin|>{"query": "tides"}<|tool_call_end|><|tool_calls_section_end|>')
-    parsed = parse_assistant_text(text, starts_in_thinking=True)
-    assert parsed.closed_thinking
-    call = ToolCall("functions.search_web:0", "search_web", '{"query": "tides"}')
-    assert parsed.message == Message("assistant", "Searching.", "Look it up.", tool_calls=(call,))
-    assert parse_assistant_text("<think>\nr\n</think>\n\nHi", False).message == Message("assistant", "Hi", "r")
-    cut = parse_assistant_text("still thinking", True)
-    assert not cut.closed_thinking and cut.message.content == ""
-    with pytest.raises(MalformedToolCall, match="not JSON"):
-        parse_assistant_text("</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
-                             "<|tool_call_argument_begin|>{oops<|tool_call_end|><|tool_calls_section_end|>", True)
-
-
-def _tool_conversation() -> Conversation:
-    record = {"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "function": {"name": "f",
-                                                                                           "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
-        {"role": "assistant", "content": "It is 42."}]}
-    conversation = to_conversation("t", record)
-    assert isinstance(conversation, Conversation)
-    return conversation
-
-
-def test_tool_results_follow_a_regenerated_call_of_the_same_function():
-    state = _Turns(_tool_conversation())
-    assert [m.role for m in state.next_prompt()] == ["user"]
-    state.accept(Message("assistant", "", tool_calls=(ToolCall("functions.f:0", "f", '{"x": 1}'),)))
-    history = state.next_prompt()
-    assert history[-1] == Message("tool", "42", tool_call_id="functions.f:0")  # re-keyed to the new call
-    state.accept(Message("assistant", "Forty-two."))
-    assert state.next_prompt() is None and state.outcome == "regenerated" and state.early is None
-
-
-def test_a_conversation_ends_where_the_target_calls_other_tools():
-    state = _Turns(_tool_conversation())
-    state.next_prompt()
-    state.accept(Message("assistant", "I know it: 42."))  # answers without the call
-    assert state.outcome == "regenerated" and state.early == TOOL_CALLS_DIVERGED
-    assert [m.role for m in state.messages] == ["user", "assistant"]
 
 
 # --- the vLLM engine (vLLM's CPU build from .venv-vllm) ---------------------------------------

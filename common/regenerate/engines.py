@@ -18,7 +18,8 @@ from transformers import GenerationConfig
 
 from common.engine_device import Runtime
 from common.errors import PipelineError
-from common.regenerate.run import Completion, Engine, RegenerateOptions
+from common.regenerate.options import RegenerateOptions
+from common.regenerate.turns import Completion, Engine
 from common.target.config import TargetInfo
 from common.target.model import load_text_model
 from common.vllm.client import EngineSettings, VllmWorker
