@@ -121,11 +121,12 @@ def models(kimi_target, flat_target):
 # times summed from --junitxml; 2026-12-04): the scheduler hands out the longest first, so no long group
 # starts last while the other worker idles. A group not listed counts as long; the last ones take seconds.
 GROUP_MINUTES = {"vllm.flat_run": 9.0, "faults.outcomes": 5.5, "05_evaluate.eval_run": 3.2,
-                 "04_train.small_data": 2.3, "vllm.kimi_hf_turns": 2.0, "00_regenerate.hf_fp32": 1.9,
+                 "04_train.small_data": 3.3, "vllm.kimi_hf_turns": 2.0, "00_regenerate.hf_fp32": 1.9,
                  "04_train.trained": 1.6, "04_online.runs": 1.4, "vllm.kimi_states": 1.2, "00_regenerate.kimi": 0.7,
                  "02_extract.extracted": 0.5, "03_vocab.config_target": 0.1, "measure.flat_turns": 0.1,
                  "int4_experts.int4_model": 0.1, "01_prepare.bad_run": 0.1, "client.infos": 0.1,
-                 "device_plan.meta_model": 0.1, "conversations.formats": 0.1}
+                 "device_plan.meta_model": 0.1, "readers.formats": 0.1,
+                 "regenerate_run.kimi": 0.1}
 
 
 def pytest_configure(config: pytest.Config) -> None:
