@@ -19,6 +19,12 @@ Usage:
     python 02_extract_hidden_states.py ... --engine vllm [--vllm-python .venv-vllm/bin/python] \
         [--tensor-parallel-size 8]                       # vLLM from its own environment (common/vllm/client.py)
 
+Progress goes to the experiment trackers of `--report-to` (default: TensorBoard when installed, into
+RUN/tensorboard/extract/, RUN being the folder that holds the output; common/trackers.py): the settings
+once, then tokens/s, samples written and failed, bytes written and the forward pass's share of the time
+at step = samples of the shard done (common/extract/run.py). Under --num-shards each shard is its own
+tracker run (stage extract-shard-J-of-K, a --run-name given gets the same suffix).
+
 Run the same command again to resume: complete files are kept, unreadable ones redone (files the
 journal extract_journal_J_of_K.txt lists with their size and ids are kept unopened). Add
 `--verify` to re-read every finished file and redo those whose bytes no longer have the digest
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import asdict
 
 from common.atomic import format_bytes
 from common.cli import add_data_args, resolve_target, run_main, stage_dir, stage_parser
@@ -44,7 +51,7 @@ from common.extract.batches import (
 )
 from common.extract.engines import open_state_engine
 from common.extract.run import ExtractionRun, ExtractStats
-from common.hidden_states.data_config import NUM_STATES, new_data_config
+from common.hidden_states.data_config import NUM_STATES, DataConfig, new_data_config
 from common.hidden_states.folder_lock import check_disk, shard_lock
 from common.hidden_states.journal import Journal, find_done, journal_path
 from common.hidden_states.manifests import (
@@ -58,6 +65,7 @@ from common.hidden_states.state_files import remove_own_temporaries
 from common.hidden_states.storage import DEFAULT_STORAGE, STORAGES
 from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.target.config import choose_layer_ids, load_target_info, weight_map
+from common.trackers import add_report_args, reporting
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="re-read every finished file and redo those whose bytes differ from the digest "
                                "recorded when they were written (a plain restart only checks sizes)")
     add_runtime_args(parser, "extract")
+    add_report_args(parser)
     args = parser.parse_args(argv)
     if args.batch_tokens <= 0:
         raise PipelineError(f"--batch-tokens {args.batch_tokens}: must be positive")
@@ -141,10 +150,17 @@ def main(argv: list[str] | None = None) -> int:
         stats = ExtractStats()
         if mine - done:
             show = os.environ.get("LOCAL_RANK", "0") == "0"  # one bar per host under torchrun
-            with Journal(journal_path(out, args.shard_index, args.num_shards)) as journal, \
+            shard_suffix = f"-shard-{args.shard_index}-of-{args.num_shards}" if args.num_shards > 1 else ""
+            stage = f"extract{shard_suffix}"  # each shard a tracker run of its own, its --run-name too
+            args.run_name = args.run_name and f"{args.run_name}{shard_suffix}"
+            # Steps are samples done, so a resumed run counts on from the files it found (and drops
+            # what a killed run logged past them).
+            with reporting(args, out.parent, stage, start_step=len(done)) as trackers, \
+                    Journal(journal_path(out, args.shard_index, args.num_shards)) as journal, \
                     open_state_engine(runtime, info, trust_remote_code, layer_ids, storage, out, max(lengths.values()),
                                       args.batch_tokens, (args.shard_index, args.num_shards)) as extractor:
-                run = ExtractionRun(extractor, ds, out, show_progress=show, journal=journal)
+                trackers.log_params(run_params(args, config, runtime, len(mine), len(done), todo_tokens))
+                run = ExtractionRun(extractor, ds, out, show_progress=show, journal=journal, trackers=trackers)
                 stats = run.run(batches, done, lengths)
 
         # 6. This shard's manifest; the last shard to finish merges them all.
@@ -168,6 +184,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"output: {out} (sample_lengths.json and data_config.json follow when the last shard finishes)")
         return 0
+
+
+def run_params(args: argparse.Namespace, config: DataConfig, runtime: Runtime, samples: int, found_done: int,
+               todo_tokens: int) -> dict:
+    """The hyper-parameters the trackers get once: data_config.json's identity of the run (target,
+    layer ids, storage, prepared fingerprint, ...) and this shard's batching, engine and counts."""
+    identity = {k: v for k, v in asdict(config).items()
+                if k not in ("failed", "sample_count", "token_count", "bytes_total", "num_shards")}
+    return {**identity, "batch_tokens": args.batch_tokens, "max_samples": args.max_samples,
+            "num_shards": args.num_shards, "shard_index": args.shard_index, "engine": runtime.engine,
+            "runtime": runtime.describe(), "shard_samples": samples, "found_done": found_done,
+            "todo_tokens": todo_tokens, "verify": args.verify}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Step 02: hidden-state capture against a plain forward, batching, the v1 files and their
-folder (speculators' own dataset loads it), resume after SIGKILL, shards, failures, bad input."""
+folder (speculators' own dataset loads it), its curves in the experiment trackers, resume after
+SIGKILL, shards, failures, bad input."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import (
+    BATCH_TOKENS,
     KIMI_IM_END,
     ONE_THREAD,
     assert_same_files,
@@ -29,10 +31,11 @@ from helpers import (
     write_prepared,
 )
 from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common.defaults import REPO_ROOT
 from common.errors import PipelineError
-from common.extract.batches import estimate_bytes
+from common.extract.batches import estimate_bytes, plan_batches
 from common.extract.hf_engine import StateExtractor
 from common.extract.verify import verify_samples
 from common.hidden_states.data_config import DATA_CONFIG, SAMPLE_LENGTHS, DataConfig
@@ -41,10 +44,21 @@ from common.hidden_states.storage import FP32_CHECK, SCALES_KEY, STORAGES
 from common.target.config import load_target_info
 from common.target.int4_experts import PackedLinear, dequantize_packed
 from common.target.model import load_text_model
+from common.trackers import TENSORBOARD_DIR
 
 SCRIPT = "02_extract_hidden_states.py"
 NUM_SAMPLES = 32
 VERIFIED = range(0, NUM_SAMPLES, 4)  # samples checked against a plain forward (slow on CPU for Kimi's vocabulary)
+SCALARS = ("extract/tokens_per_s", "extract/samples_written", "extract/samples_failed", "extract/bytes_written",
+           "extract/forward_share")
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} of the event files in `folder` as TensorBoard reads them (what a
+    resumed run purged left out)."""
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def random_ids(lengths: list[int]) -> list[list[int]]:
@@ -76,12 +90,14 @@ def models(kimi_target, flat_target) -> dict[str, tuple[Path, torch.nn.Module]]:
 
 @pytest.fixture(scope="module")
 def extracted(models, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """(prepared folder, hidden-state folder) of one uninterrupted run of the script per target."""
+    """(prepared folder, hidden-state folder) of one uninterrupted run of the script per target,
+    reporting to TensorBoard: asked to (kimi), by default (flat)."""
     runs = {}
     for name, (target, _model) in models.items():
         root = tmp_path_factory.mktemp(f"extract-{name}")
         prepared = write_prepared(root / "prepared", target, NUM_SAMPLES)
-        run_in_process(SCRIPT, *extract_args(prepared, target, root / "hs"), check=True)
+        report = ["--report-to", "tensorboard"] if name == "kimi" else []
+        run_in_process(SCRIPT, *extract_args(prepared, target, root / "hs", *report), check=True)
         runs[name] = prepared, root / "hs"
     return runs
 
@@ -168,6 +184,32 @@ def test_manifest_files_and_speculators_dataset(extracted, name):
     assert batch["hidden_states"].shape == (1, 64, 3 * 64)
 
 
+@pytest.mark.parametrize("name", ["kimi", "flat"])
+def test_progress_goes_to_tensorboard(extracted, name):
+    """RUN/tensorboard/extract/ (RUN: the folder holding the output) holds the settings and the five
+    curves at step = samples done: the first batch's (the first point), and the run's totals at the
+    last step, the shard's sample count."""
+    prepared, out = extracted[name]
+    scalars = tensorboard_scalars(out.parent / TENSORBOARD_DIR / "extract")
+    assert sorted(scalars) == sorted(SCALARS)
+    lengths = dict(enumerate(Dataset.load_from_disk(str(prepared))["num_tokens"]))
+    first_batch = len(plan_batches(lengths, BATCH_TOKENS)[0])
+    for tag in SCALARS:
+        steps = [step for step, _value in scalars[tag]]
+        assert steps[0] == first_batch and steps[-1] == NUM_SAMPLES and steps == sorted(set(steps)), (tag, steps)
+    final = {tag: scalars[tag][-1][1] for tag in SCALARS}
+    files = list(out.rglob("data_*.pt"))
+    assert final["extract/samples_written"] == NUM_SAMPLES and final["extract/samples_failed"] == 0
+    assert final["extract/bytes_written"] == sum(p.stat().st_size for p in files)
+    assert final["extract/tokens_per_s"] > 0 and 0 < final["extract/forward_share"] <= 1
+    events = EventAccumulator(str(out.parent / TENSORBOARD_DIR / "extract"))
+    events.Reload()
+    table = events.Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+    for row in ("| layer_ids | [2, 4, 5] |", f"| batch_tokens | {BATCH_TOKENS} |", "| storage | bf16 |",
+                "| engine | hf |", f"| prepared_fingerprint | {DataConfig.load(out).prepared_fingerprint} |"):
+        assert row in table, row
+
+
 # --- at scale: resume, shards, failures, disk --------------------------------------------------
 
 
@@ -195,6 +237,13 @@ def test_resume_after_sigkill_gives_the_uninterrupted_files(extracted, kimi_targ
     assert_same_files(out, reference)
     assert not [p for p in out.rglob(".tmp-*")]
     assert (out / SAMPLE_LENGTHS).read_text() == (reference / SAMPLE_LENGTHS).read_text()
+    # The resumed run's curves count on from the files it found (a new event file in the same folder,
+    # what the killed run logged past them purged): steps never go back, the last is the sample count.
+    folder = tmp_path / TENSORBOARD_DIR / "extract"
+    assert len(list(folder.glob("events.out.tfevents.*"))) == 2
+    written = tensorboard_scalars(folder)["extract/samples_written"]
+    steps = [step for step, _value in written]
+    assert steps == sorted(set(steps)) and written[-1] == (NUM_SAMPLES, NUM_SAMPLES - (len(kept) - 1))
 
 
 def test_rows_of_an_earlier_prepared_dataset_are_removed(flat_target, tmp_path, capsys):
@@ -202,12 +251,13 @@ def test_rows_of_an_earlier_prepared_dataset_are_removed(flat_target, tmp_path, 
     and the merged lists name only the new rows."""
     prepared, out = tmp_path / "prepared", tmp_path / "hs"
     write_prepared(prepared, flat_target, 10, seed=1)
-    load_script().main(extract_args(prepared, flat_target, out))
+    load_script().main(extract_args(prepared, flat_target, out, "--report-to", "none"))
     first = DataConfig.load(out).prepared_fingerprint
     assert len(list_sample_files(out)) == 10 and first
     shutil.rmtree(prepared)
     write_prepared(prepared, flat_target, 6, seed=2)
-    load_script().main(extract_args(prepared, flat_target, out))
+    load_script().main(extract_args(prepared, flat_target, out, "--report-to", "none"))
+    assert not (tmp_path / TENSORBOARD_DIR).exists() and not (tmp_path / "wandb").exists()  # --report-to none
     assert "removed 4 files of rows past its end" in capsys.readouterr().out
     assert sorted(list_sample_files(out)) == list(range(6))
     assert sorted(json.loads((out / SAMPLE_LENGTHS).read_text())) == [str(i) for i in range(6)]
@@ -216,15 +266,17 @@ def test_rows_of_an_earlier_prepared_dataset_are_removed(flat_target, tmp_path, 
 
 @pytest.mark.slow
 def test_two_shards_give_the_single_process_files(extracted, kimi_target, tmp_path):
+    """... and report as two tracker runs: TensorBoard folders and offline W&B runs of their own."""
     prepared, reference = extracted["kimi"]
     out = tmp_path / "hs"
-    base = [sys.executable, str(REPO_ROOT / SCRIPT), *extract_args(prepared, kimi_target, out)]
+    base = [sys.executable, str(REPO_ROOT / SCRIPT), *extract_args(prepared, kimi_target, out),
+            "--report-to", "tensorboard", "wandb"]
+    env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     procs = [subprocess.Popen(base + ["--num-shards", "2", "--shard-index", "0"], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, **ONE_THREAD}),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env),
              # the second shard takes its place from torchrun's variables
              subprocess.Popen(base, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, **ONE_THREAD, "RANK": "1", "WORLD_SIZE": "2"})]
+                              env={**env, "RANK": "1", "WORLD_SIZE": "2"})]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     shards = [json.loads((out / f"extract_shard_{j}_of_2.json").read_text())["lengths"] for j in range(2)]
@@ -232,6 +284,15 @@ def test_two_shards_give_the_single_process_files(extracted, kimi_target, tmp_pa
     assert_same_files(out, reference)
     assert (out / SAMPLE_LENGTHS).read_text() == (reference / SAMPLE_LENGTHS).read_text()
     assert json.loads((out / DATA_CONFIG).read_text())["num_shards"] == 2
+    for j, lengths in enumerate(shards):
+        scalars = tensorboard_scalars(tmp_path / TENSORBOARD_DIR / f"extract-shard-{j}-of-2")
+        assert scalars["extract/samples_written"][-1] == (len(lengths), len(lengths))
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))  # RUN/wandb/, one run per shard, named for it
+    assert len(runs) == 2 and all(list(run.glob("run-*.wandb")) for run in runs)
+    logged = b"".join(next(run.glob("run-*.wandb")).read_bytes() for run in runs)
+    for j in range(2):
+        assert f"{tmp_path.name}-extract-shard-{j}-of-2".encode() in logged
+    assert b"extract/tokens_per_s" in logged
 
 
 def test_batch_out_of_memory_is_split_and_a_sample_out_of_memory_alone_skipped(kimi_target, tmp_path, monkeypatch):

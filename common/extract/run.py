@@ -3,6 +3,9 @@ each sample's states written as its `data_{i}.pt` by writer threads while the ne
 what went wrong counted. A batch out of memory is run again in halves down to single samples; a
 sample out of memory alone is skipped and listed, up to a limit; any other error stops the run.
 04 --online runs the same `ExtractionRun` (its `load` and `extract`) for each training batch.
+
+Given trackers (common/trackers.py; 02's `--report-to`), the run reports its progress as scalars
+(`ExtractionRun.run` says which, at which steps).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from common.errors import PipelineError, first_line, skip_limit
 from common.hidden_states.journal import Journal, ids_digest
 from common.hidden_states.state_files import file_digest, sample_path, save_sample
 from common.hidden_states.storage import StoredStates
+from common.trackers import Trackers
 
 WRITE_THREADS = 4  # file writes overlap the next forward pass
 MAX_PENDING_WRITES = 64  # bounds the host memory held by finished, unwritten samples
 # Skipping is for the odd bad sample; past `common.errors.skip_limit` or this many in a row the failures
 # are systematic (a bug, a device that is out of memory on every sample) and the run stops.
 MAX_SKIPPED_IN_A_ROW = 20
+LOG_SECONDS = 10.0  # at most one point of the trackers' curves per this many seconds, and always the last
 
 
 class Extractor(Protocol):
@@ -78,8 +83,11 @@ class ExtractionRun:
     """Extracts the planned batches of one shard into `out`, skipping the indices in `done`."""
 
     def __init__(self, extractor: Extractor, ds, out: Path, show_progress: bool = True,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, trackers: Trackers | None = None,
+                 log_seconds: float = LOG_SECONDS) -> None:
         self.extractor = extractor
+        self.trackers = trackers or Trackers([])  # told the run's progress (`run`); none by default
+        self.log_seconds = log_seconds
         self.journal = journal  # told of every file once it is in place (the next resume reads it)
         self.digests: dict[int, str] = {}  # ids digest of each sample being written
         self.rows = ds.select_columns(["sample_id", "input_ids", "loss_mask"])
@@ -90,10 +98,23 @@ class ExtractionRun:
         self.skipped_in_a_row = 0
 
     def run(self, batches: list[list[int]], done: set[int], lengths: dict[int, int]) -> ExtractStats:
+        """Extract every sample of `batches` not in `done`. With trackers, after a batch (at most one
+        point per `log_seconds`) and once at the end with the run's totals, it logs
+        `extract/tokens_per_s` (tokens through the target / wall seconds since the run began; at the end
+        the tokens of the files written, as 02 prints it),
+        `extract/samples_written` and `extract/samples_failed` (this run's samples), `extract/bytes_written`
+        (bytes of this run's files in place) and `extract/forward_share` (the engine's forward seconds /
+        wall seconds), at step = samples of the batches done: those found done before the run began
+        (`done`) plus those this run extracted or skipped, so a resumed run's steps count on from
+        where its files left off (and its last step is the number of samples of the shard)."""
         todo_tokens = sum(lengths[i] for batch in batches for i in batch if i not in done)
         todo_samples = sum(i not in done for batch in batches for i in batch)
         self.skip_limit = skip_limit(todo_samples)
-        start = time.perf_counter()
+        step = sum(i in done for batch in batches for i in batch)  # samples done, found done first
+        last_step = step + todo_samples
+        tokens = 0  # extracted (or skipped) by this run
+        start = last_log = time.perf_counter()
+        last_log -= self.log_seconds  # the first batch is logged
         pending: deque[Future] = deque()
         bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="extract", disable=not self.show_progress,
                    smoothing=0.05)
@@ -112,12 +133,29 @@ class ExtractionRun:
                     self._collect(pending.popleft())
                 bar.update(sum(lengths[i] for i in todo))
                 bar.set_postfix(written=len(self.stats.written) + len(pending), failed=len(self.stats.failed))
+                step += len(todo)
+                tokens += sum(lengths[i] for i in todo)
+                now = time.perf_counter()
+                if self.trackers and step < last_step and now - last_log >= self.log_seconds:
+                    self._report(step, tokens, now - start)
+                    last_log = now
             while pending:
                 self._collect(pending.popleft())
         bar.close()
         self.stats.forward_seconds = self.extractor.forward_seconds
         self.stats.seconds = time.perf_counter() - start
+        if self.trackers and todo_samples:
+            self._report(last_step, self.stats.tokens, self.stats.seconds)  # 02's closing figures
         return self.stats
+
+    def _report(self, step: int, tokens: int, seconds: float) -> None:
+        """The scalars of `run` so far, at `step`."""
+        seconds = max(seconds, 1e-9)
+        self.trackers.log({"extract/tokens_per_s": tokens / seconds,
+                           "extract/samples_written": len(self.stats.written),
+                           "extract/samples_failed": len(self.stats.failed),
+                           "extract/bytes_written": self.stats.file_bytes,
+                           "extract/forward_share": self.extractor.forward_seconds / seconds}, step)
 
     def load(self, batch: list[int]) -> list[Sample]:
         """The prepared rows of `batch`; a row whose ids and mask differ in length is skipped and listed."""
