@@ -14,6 +14,12 @@ Two kinds of figures, per draft:
 Held-out: 04's validation split when its train_report.json sits next to the draft folder,
 otherwise all of --data and the last prepared rows (see common/evaluate/measure.py).
 
+The figures also go to the experiment trackers of `--report-to` (default: TensorBoard when installed,
+into RUN_DIR/tensorboard/evaluate/, beside 04's RUN_DIR/tensorboard/train/; common/trackers.py) at
+step = k: per prompt set the measured acceptance length and rate per position, the simulated
+one, the baselines', and vLLM's served figures (tags: common/evaluate/report.py's tracker_scalars).
+An evaluation run again in the same run folder replaces the earlier one's curves in TensorBoard.
+
 Usage:
     python 05_evaluate.py                          # runs/default: draft/, hidden_states/, prepared/
     python 05_evaluate.py --draft RUN/draft --target DIR --prepared RUN/prepared [--data RUN/hidden_states] \
@@ -62,16 +68,25 @@ from common.evaluate.prompts import (
     longest_conversation,
     select_prompts,
 )
-from common.evaluate.report import DraftReport, output_lines, summary_table, write_report
+from common.evaluate.report import (
+    DraftReport,
+    output_lines,
+    served_scalars,
+    summary_table,
+    tracker_scalars,
+    write_report,
+)
 from common.evaluate.served import measure_with_vllm, served_lines
 from common.hidden_states.loader import load_hidden_states
 from common.prepare.prepared_dataset import check_prepared_target, load_prepared
 from common.target.config import TargetInfo, load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer
+from common.trackers import Trackers, add_report_args, reporting
 from common.vllm.client import EngineSettings, check_sampled_speculation, vllm_device
 
 MODES = {"on": True, "off": False}
+STAGE = "evaluate"  # the trackers' stage: RUN_DIR/tensorboard/evaluate/
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="skip the n-gram and untrained-draft baselines")
     decoding.add_argument("--offline-only", action="store_true", help="skip speculative decoding")
     add_runtime_args(parser, "also measure served acceptance")
+    add_report_args(parser)
     args = parser.parse_args(argv)
     check_args(args)
     return args
@@ -241,24 +257,39 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_report(args.json, reports, prompts, tokenizer.decode, settings, baselines, ks=ks)
         print(f"wrote {args.json}")
-
-    # 6. served: vLLM with each draft at each k and without speculation, on the same prompts
-    if runtime.vllm:
-        longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + max(ks) + 8
-        # vLLM serves in --dtype, else its bf16, whatever 05's own decoder uses
-        base = EngineSettings.for_target(info, longest, trust_remote_code, runtime.tensor_parallel_size,
-                                         runtime.vllm_dtype)
-        served_plain, served = measure_with_vllm(runtime.vllm_python, base, prompts, draft_dirs, ks,
-                                                 args.max_new_tokens, set(info.stop_ids), model, sampling, args.seed)
-        for line in served_lines(reports, served, ks):
-            print(line)
-        if args.json is not None:
-            settings["vllm_plain_tokens_per_second"] = served_plain.tokens_per_second
-            write_report(args.json, reports, prompts, tokenizer.decode, settings, baselines, ks=ks,
-                         per_draft={name: {k: {"vllm": m.figures()} for k, m in by_k.items()}
-                                    for name, by_k in served.items()})
-            print(f"wrote {args.json} (with vLLM's figures)")
+    # Step = k; start_step 0: TensorBoard drops an earlier evaluation's points of this run folder.
+    scalars = tracker_scalars(reports, baselines, prompts, ks)
+    with reporting(args, args.run_dir, STAGE, start_step=0) as trackers:
+        trackers.log_params({**settings, "drafts": {name: str(folder) for name, folder in draft_dirs.items()}})
+        try:
+            # 6. served: vLLM with each draft at each k and without speculation, on the same prompts
+            if runtime.vllm:
+                longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + max(ks) + 8
+                # vLLM serves in --dtype, else its bf16, whatever 05's own decoder uses
+                base = EngineSettings.for_target(info, longest, trust_remote_code, runtime.tensor_parallel_size,
+                                                 runtime.vllm_dtype)
+                served_plain, served = measure_with_vllm(runtime.vllm_python, base, prompts, draft_dirs, ks,
+                                                         args.max_new_tokens, set(info.stop_ids), model, sampling,
+                                                         args.seed)
+                for line in served_lines(reports, served, ks):
+                    print(line)
+                for k, figures in served_scalars(served, served_plain.tokens_per_second).items():
+                    scalars.setdefault(k, {}).update(figures)
+                if args.json is not None:
+                    settings["vllm_plain_tokens_per_second"] = served_plain.tokens_per_second
+                    write_report(args.json, reports, prompts, tokenizer.decode, settings, baselines, ks=ks,
+                                 per_draft={name: {k: {"vllm": m.figures()} for k, m in by_k.items()}
+                                            for name, by_k in served.items()})
+                    print(f"wrote {args.json} (with vLLM's figures)")
+        finally:  # 05's own figures even when serving fails; each k once, served beside (W&B takes a step once)
+            log_at_each_k(trackers, scalars)
     return 0
+
+
+def log_at_each_k(trackers: Trackers, by_k: dict[int, dict[str, float | None]]) -> None:
+    """Scalars of each k at step = k (TensorBoard draws each figure against k)."""
+    for k, scalars in sorted(by_k.items()):
+        trackers.log(scalars, k)
 
 
 def held_out_prompts(args: argparse.Namespace, info: TargetInfo, split: HeldOut) -> tuple[list[Prompt], int]:

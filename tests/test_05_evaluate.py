@@ -1,7 +1,7 @@
 """Step 05 end to end: the script's report (measured and offline figures, baselines, sampling), on
 04's held-out rows and on prompt sets in their published formats (MT-Bench's two turns, HumanEval,
-per category and per k, thinking and instant mode), and its bad-input errors. The unit tests of
-common/evaluate/ are in tests/common/evaluate/."""
+per category and per k, thinking and instant mode), the same figures in the experiment trackers,
+and its bad-input errors. The unit tests of common/evaluate/ are in tests/common/evaluate/."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import torch
 from datasets import Dataset
 from helpers import export_untrained, run_in_process
 from helpers import run_script as run_any_script
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common.draft.model import TINY_CONFIG
 from common.evaluate.prompts import select_prompts
 from common.prepare.prepared_dataset import load_prepared
 from common.target.config import load_target_info
 from common.target.model import load_text_model
+from common.trackers import TENSORBOARD_DIR
 
 SCRIPT = "05_evaluate.py"
 K = 3
@@ -38,6 +40,19 @@ def run_script(script: str, *args, **kwargs):
     """A numbered script as a subprocess with one intra-op thread (the miniatures gain nothing
     from more, and on a shared 2-core machine threads spin against other processes)."""
     return run_any_script(script, *args, env={"OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+def tensorboard_events(path: Path) -> EventAccumulator:
+    """The events of an event file, or of a folder's as TensorBoard reads them."""
+    events = EventAccumulator(str(path))
+    events.Reload()
+    return events
+
+
+def tensorboard_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} of `tensorboard_events(path)`."""
+    events = tensorboard_events(path)
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +115,22 @@ def eval_run(tmp_path_factory, kimi_target, demo_conversations) -> Path:
 def test_script_reports_measured_and_offline_figures(eval_run, kimi_target, tmp_path):
     reference = export_untrained(kimi_target, tmp_path / "reference", seed=1)
     out = tmp_path / "eval.json"
+    board = eval_run / TENSORBOARD_DIR / "evaluate"
+    earlier = set(board.glob("events.out.tfevents.*"))
     proc = run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
                       "--draft", eval_run / "untrained", "--reference", reference, "--max-prompts", "2",
                       "--max-new-tokens", "12", "--max-samples", "3", "--json", out)
     report = json.loads(out.read_text())
+    # TensorBoard by default, into RUN_DIR/tensorboard/evaluate/: each draft's figures at step = k
+    (events,) = set(board.glob("events.out.tfevents.*")) - earlier
+    scalars = tensorboard_scalars(events)
+    for tag, figure in (("evaluate/all", report["drafts"][0]["measured_acceptance_length"]),
+                        ("evaluate/all/reference", report["drafts"][1]["measured_acceptance_length"]),
+                        ("evaluate/held-out", report["drafts"][0]["measured_acceptance_length"]),
+                        ("evaluate/offline", report["drafts"][0]["simulated_acceptance_length"]),
+                        ("evaluate/all/ngram", report["baselines"]["ngram"]["measured_acceptance_length"])):
+        name = "simulated_acceptance_length" if tag.endswith("offline") else "acceptance_length"
+        assert scalars[f"{tag}/{name}"] == [(K, pytest.approx(figure, rel=1e-6, abs=1e-6))], tag
     for key in ("measured_acceptance_length", "simulated_acceptance_length", "acceptance_rate_per_position",
                 "identical_to_greedy"):
         assert key in report
@@ -133,10 +160,13 @@ def test_script_samples_at_a_temperature(eval_run, kimi_target, tmp_path):
     tests/common/evaluate/test_decoding.py), so outputs are not compared token by token with
     greedy decoding."""
     out = tmp_path / "eval.json"
+    board = eval_run / TENSORBOARD_DIR / "evaluate"
+    earlier = sorted(board.glob("*"))
     run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
                "--draft", eval_run / "untrained", "--max-prompts", "2", "--max-new-tokens", "12",
-               "--temperature", "1.0", "--top-p", "0.9", "--json", out)
+               "--temperature", "1.0", "--top-p", "0.9", "--json", out, "--report-to", "none")
     report = json.loads(out.read_text())
+    assert sorted(board.glob("*")) == earlier and not (eval_run / "wandb").exists()  # --report-to none
     assert report["temperature"] == 1.0 and report["top_p"] == 0.9 and report["draft_sampling"] == "greedy"
     assert report["identical_to_greedy"] is None
     assert 1.0 <= report["measured_acceptance_length"] <= 1 + K
@@ -151,13 +181,15 @@ def test_script_samples_at_a_temperature(eval_run, kimi_target, tmp_path):
 
 def test_script_measures_prompt_sets_per_category_and_k(eval_run, kimi_target, prompt_files, tmp_path):
     """MT-Bench's two turns and HumanEval in instant mode, greedy, at k = 2 and 3: per set and per
-    category figures in the table and the JSON, each k lossless, the existing keys at the first k."""
+    category figures in the table, the JSON and TensorBoard (RUN_DIR/tensorboard/evaluate/, each
+    against k), each k lossless, the existing keys at the first k."""
     mt, he = prompt_files
     out = tmp_path / "eval.json"
-    proc = run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
-                      "--draft", eval_run / "untrained", "--prompts", mt, "--prompts", he, "--thinking", "off",
-                      "--temperature", "0", "--num-speculative-tokens", "2", "3", "--max-new-tokens", "8",
-                      "--json", out)
+    run = tmp_path / "run"  # a run folder of its own: 04's draft and 02's states named by their flags
+    proc = run_script(SCRIPT, "--run-dir", run, "--target", kimi_target, "--trust-remote-code",
+                      "--draft", eval_run / "untrained", "--data", eval_run / "hidden_states", "--prompts", mt,
+                      "--prompts", he, "--thinking", "off", "--temperature", "0", "--num-speculative-tokens", "2",
+                      "3", "--max-new-tokens", "8", "--json", out, "--report-to", "tensorboard")
     report = json.loads(out.read_text())
     assert report["thinking"] == "off" and report["temperature"] == 0.0
     assert report["prompt_sets"] == ["question", "HumanEval"] and report["prompts"] == 7  # 3 x 2 turns + 1
@@ -181,14 +213,48 @@ def test_script_measures_prompt_sets_per_category_and_k(eval_run, kimi_target, p
     assert any(line.strip().startswith("reasoning (4)") for line in lines)
     assert "thinking off" in proc.stdout
 
+    board = run / TENSORBOARD_DIR / "evaluate"
+    scalars = tensorboard_scalars(board)
+    for k in (2, 3):
+        entry = report["by_k"][str(k)]
+        draft, baselines = entry["drafts"][0], entry["baselines"]
+        expected = {"evaluate/all/acceptance_length": draft["measured_acceptance_length"],
+                    "evaluate/offline/simulated_acceptance_length": draft["simulated_acceptance_length"],
+                    "evaluate/all/ngram/acceptance_length": baselines["ngram"]["measured_acceptance_length"]}
+        for name in ("question", "HumanEval"):
+            figures = draft["by_prompt_set"][name]
+            expected[f"evaluate/{name}/acceptance_length"] = figures["measured_acceptance_length"]
+            expected |= {f"evaluate/{name}/acceptance_rate/position_{j + 1}": rate
+                         for j, rate in enumerate(figures["acceptance_rate_per_position"])}
+            for baseline in ("ngram", "untrained"):
+                expected[f"evaluate/{name}/{baseline}/acceptance_length"] = \
+                    baselines[baseline]["by_prompt_set"][name]["measured_acceptance_length"]
+        expected["evaluate/question/category/reasoning/acceptance_length"] = \
+            draft["by_prompt_set"]["question"]["by_category"]["reasoning"]["measured_acceptance_length"]
+        for tag, figure in expected.items():
+            assert dict(scalars[tag])[k] == pytest.approx(figure, rel=1e-6, abs=1e-6), (tag, k)
+    assert [step for step, _ in scalars["evaluate/question/acceptance_length"]] == [2, 3]
+    assert [step for step, _ in scalars["evaluate/question/acceptance_rate/position_3"]] == [3]
+    table = tensorboard_events(board).Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+    for row in ("| temperature | 0.0 |", "| engine | hf |", "| max_new_tokens | 8 |",
+                f"| drafts/draft | {eval_run / 'untrained'} |", '| prompt_sets | ["question", "HumanEval"] |'):
+        assert row in table, row
+
 
 def test_thinking_mode_sets_kimis_serving_temperature(eval_run, kimi_target, prompt_files, tmp_path):
+    """... reporting to W&B alone (offline): a run folder under RUN_DIR/wandb/, no TensorBoard folder."""
     out = tmp_path / "eval.json"
-    run_script(SCRIPT, "--run-dir", eval_run, "--target", kimi_target, "--trust-remote-code",
-               "--draft", eval_run / "untrained", "--prompts", prompt_files[1], "--thinking", "on",
-               "--num-speculative-tokens", "1", "--max-new-tokens", "4", "--no-baselines", "--json", out)
+    run_any_script(SCRIPT, "--run-dir", tmp_path, "--target", kimi_target, "--trust-remote-code",
+                   "--draft", eval_run / "untrained", "--prompts", prompt_files[1], "--thinking", "on",
+                   "--num-speculative-tokens", "1", "--max-new-tokens", "4", "--no-baselines", "--json", out,
+                   "--report-to", "wandb",
+                   env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     report = json.loads(out.read_text())
     assert report["thinking"] == "on" and report["temperature"] == 1.0 and report["identical_to_greedy"] is None
+    (wandb_run,) = (tmp_path / "wandb").glob("offline-run-*")
+    logged = next(wandb_run.glob("run-*.wandb")).read_bytes()
+    assert f"{tmp_path.name}-evaluate".encode() in logged and b"evaluate/HumanEval/acceptance_length" in logged
+    assert not (tmp_path / TENSORBOARD_DIR).exists()
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -5,12 +5,16 @@ first k first); its offline metrics are computed once at the largest k's TTT ste
 each k (the first k steps' accuracies, the simulated acceptance length over them). Figures are
 also given per prompt set and per category (MT-Bench's eight): the acceptance length over the
 verification passes of those generations, and how many generations (turns) there were.
+
+The same figures go to the experiment trackers (`tracker_scalars`, `served_scalars`) at step = k,
+so TensorBoard draws each against k.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +25,7 @@ from common.evaluate.measure import MeasuredResult, degenerate_share
 from common.evaluate.prompts import Prompt
 
 __all__ = ["finite", "DraftReport", "by_prompt_set", "summary_table", "gap_notes", "output_lines",
-           "write_report"]
+           "write_report", "TRACKER_PREFIX", "tracker_scalars", "served_scalars"]
 
 GAP = 0.1  # simulated minus measured acceptance length worth explaining
 # The contract's top-level keys of --json: the first draft's figures at the first k.
@@ -261,3 +265,74 @@ def write_report(path: str | Path, reports: list[DraftReport], prompts: list[Pro
     if len(ks) > 1:
         out["by_k"] = {str(k): at(k) for k in ks}
     write_json(path, out)
+
+
+TRACKER_PREFIX = "evaluate"  # the trackers' tags: evaluate/<scope>[/<who>]/<figure>
+
+
+def tracker_scalars(reports: list[DraftReport], baselines: Mapping[str, DraftReport], prompts: list[Prompt],
+                    ks: list[int]) -> dict[int, dict[str, float | None]]:
+    """{k: {tag: value}}: `--json`'s figures at each k as tracker scalars (logged at step = k), tagged
+    `evaluate/<scope>/<figure>` for the first draft and `evaluate/<scope>/<who>/<figure>` for the
+    others (`reference`) and the baselines (`ngram`, `untrained`; no speculation is left out: 1 by
+    definition). Scopes: `all` (every prompt: acceptance_length, acceptance_rate/position_<j> for draft
+    position j = 1..k, tokens_per_s, speedup_over_greedy, identical_to_greedy as 1/0, degenerate_share,
+    distinct_ratio, target_passes, tokens_generated), each prompt set by name (acceptance_length,
+    acceptance_rate/position_<j>, category/<c>/acceptance_length), and `offline` (simulated_acceptance_length,
+    val_loss). Missing figures are None (the trackers leave them out)."""
+    who = [("", r) for r in reports[:1]] + [(r.name, r) for r in reports[1:]]
+    who += [(key, r) for key, r in baselines.items() if key != "none"]
+    out: dict[int, dict[str, float | None]] = {}
+    for k in ks:
+        scalars: dict[str, float | None] = {}
+        for name, report in who:
+            suffix = f"/{_tag_part(name)}" if name else ""
+            m = report.by_k.get(k)
+            if m is not None:
+                scalars |= _acceptance(f"{TRACKER_PREFIX}/all{suffix}", m.stats.acceptance_length,
+                                       m.stats.acceptance_rate_per_position)
+                identical = m.identical_to_greedy
+                scalars |= {f"{TRACKER_PREFIX}/all{suffix}/{figure}": value for figure, value in (
+                    ("tokens_per_s", m.tokens_per_second), ("speedup_over_greedy", m.speedup),
+                    ("identical_to_greedy", None if identical is None else float(identical)),
+                    ("degenerate_share", m.degenerate_share), ("distinct_ratio", m.distinct_ratio),
+                    ("target_passes", m.stats.passes), ("tokens_generated", m.tokens))}
+                for set_name, block in by_prompt_set(prompts, m.generations, k).items():
+                    scope = f"{TRACKER_PREFIX}/{_tag_part(set_name)}{suffix}"
+                    scalars |= _acceptance(scope, block["measured_acceptance_length"],
+                                           block["acceptance_rate_per_position"])
+                    scalars |= {f"{scope}/category/{_tag_part(c)}/acceptance_length": cat["measured_acceptance_length"]
+                                for c, cat in block["by_category"].items()}
+            offline = report.offline_at(k) or {}
+            for figure in ("simulated_acceptance_length", "val_loss"):
+                scalars[f"{TRACKER_PREFIX}/offline{suffix}/{figure}"] = offline.get(figure)
+        out[k] = scalars
+    return out
+
+
+def served_scalars(served: Mapping[str, Mapping[int, object]], plain_tokens_per_second: float | None = None
+                   ) -> dict[int, dict[str, float | None]]:
+    """{k: {tag: value}}: vLLM's served figures of each draft (`served[name][k]`, an object with
+    `figures()` as common/evaluate/served.py's) under scope `served`, the first draft's without a
+    name: acceptance_length, acceptance_rate/position_<j>, tokens_per_s; plain serving's tokens/s as
+    `served/plain/tokens_per_s` at each k."""
+    out: dict[int, dict[str, float | None]] = {}
+    for i, (name, by_k) in enumerate(served.items()):
+        suffix = f"/{_tag_part(name)}" if i else ""
+        for k, measured in by_k.items():
+            figures = measured.figures()
+            scope = f"{TRACKER_PREFIX}/served{suffix}"
+            scalars = out.setdefault(k, {f"{TRACKER_PREFIX}/served/plain/tokens_per_s": plain_tokens_per_second})
+            scalars |= _acceptance(scope, figures["measured_acceptance_length"], figures["acceptance_rate_per_position"])
+            scalars[f"{scope}/tokens_per_s"] = figures["tokens_per_second"]
+    return out
+
+
+def _acceptance(scope: str, length: float | None, rates: list[float | None]) -> dict[str, float | None]:
+    return {f"{scope}/acceptance_length": length} | {f"{scope}/acceptance_rate/position_{j + 1}": rate
+                                                     for j, rate in enumerate(rates)}
+
+
+def _tag_part(name: str) -> str:
+    """A prompt set's, category's or draft's name as one part of a tag (no slash, no space)."""
+    return re.sub(r"[^\w.\-]+", "_", str(name)).strip("_") or "_"
