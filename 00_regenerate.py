@@ -12,6 +12,13 @@ Output: OpenAI-form JSONL parts written atomically, resumable after a kill (run 
 again), shardable across hosts (--num-shards K --shard-index J, then copy the folders together),
 and regenerate_report.json. 01 reads the folder: `python 01_prepare_data.py --input RUN/regenerated`.
 
+Progress goes to the experiment trackers of `--report-to` (default: TensorBoard when installed, into
+RUN/tensorboard/regenerate/, RUN being the folder that holds the output; common/trackers.py): the
+settings once, then conversations done, regenerated, kept and dropped, turns regenerated, tokens
+generated and tokens/s at step = conversations (input records) done, a resumed run counting on
+from its finished parts (common/regenerate/run.py). Under --num-shards each host is its own tracker
+run (stage regenerate-shard-J-of-K, a --run-name given gets the same suffix).
+
 Usage:
     python 00_regenerate.py                        # demo conversations, built-in miniature target
     python 00_regenerate.py --input chats.jsonl --target /models/Kimi-K2.5 --trust-remote-code \\
@@ -30,9 +37,10 @@ from common.engine_device import Runtime, add_runtime_args
 from common.errors import PipelineError
 from common.regenerate.engines import open_engine
 from common.regenerate.options import RegenerateOptions
-from common.regenerate.run import regenerate, summary_lines
+from common.regenerate.run import records_done, regenerate, summary_lines
 from common.target.config import TargetInfo, load_target_info
 from common.target.tokenizer import load_tokenizer
+from common.trackers import add_report_args, reporting
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_runtime_args(parser, "generate", device_map=False, url=True)
     parser.add_argument("--max-in-flight", type=int, default=256,
                         help="--vllm-url: requests sent at once (default: %(default)s)")
+    add_report_args(parser)
     args = parser.parse_args(argv)
     if args.max_in_flight < 1:
         raise PipelineError(f"--max-in-flight {args.max_in_flight}: must be at least 1")
@@ -111,11 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {target}, engine {options.engine}, {mode}, up to {options.max_new_tokens:,} new tokens per turn, "
           f"shard {options.shard_index} of {options.num_shards}, inputs {', '.join(map(str, options.inputs))}")
 
-    # 2. the tokenizer and the engine
+    # 2. the tokenizer, the trackers and the engine
     tokenizer = load_tokenizer(target, trust_remote_code)
-    with open_engine(options, tokenizer, info, trust_remote_code, runtime, args.max_in_flight) as engine:
+    shard_suffix = f"-shard-{options.shard_index}-of-{options.num_shards}" if options.num_shards > 1 else ""
+    args.run_name = args.run_name and f"{args.run_name}{shard_suffix}"  # each host a tracker run of its own
+    # Steps are conversations done: a resumed run counts on past its finished parts (and drops what
+    # a killed run logged beyond them).
+    with reporting(args, options.output.parent, f"regenerate{shard_suffix}",
+                   start_step=records_done(options) + 1) as trackers, \
+            open_engine(options, tokenizer, info, trust_remote_code, runtime, args.max_in_flight) as engine:
         # 3. regenerate part by part (finished parts are skipped)
-        report = regenerate(options, tokenizer, engine)
+        report = regenerate(options, tokenizer, engine, trackers)
 
     # 4. summary
     for line in summary_lines(report, options.output):

@@ -1,7 +1,8 @@
 """Step 00 (00_regenerate.py over common/regenerate/): the regenerated turns are the target's own
 greedy generations given the regenerated history, 01's masks on the output cover exactly the
-assistant turns, a SIGKILLed run resumes without repeating or losing a conversation, a resumed run
-with other settings is refused, and the vLLM engines regenerate what the HF engine does. The units
+assistant turns, a SIGKILLed run resumes without repeating or losing a conversation (its curves in
+TensorBoard counting on), a resumed run with other settings is refused, the run's progress in the
+experiment trackers, and the vLLM engines regenerate what the HF engine does. The units
 (reading a generation back, the tool-call rule, bad records) are tested in tests/common/regenerate/."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common.defaults import REPO_ROOT
 from common.evaluate.decoding import plain_generate
@@ -29,6 +31,7 @@ from common.regenerate.run import regenerate
 from common.target.config import load_target_info
 from common.target.model import load_text_model
 from common.target.tokenizer import load_tokenizer
+from common.trackers import TENSORBOARD_DIR, open_trackers
 
 SCRIPT = "00_regenerate.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -36,6 +39,18 @@ MAX_NEW = 40
 SAMPLES = 6  # the first demo records: reasoning, tool use, multi-turn
 SETTINGS = dict(temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW, max_samples=SAMPLES, part_size=2, batch_size=3,
                 keep_cut=True)
+
+
+CURVES = ("conversations_done", "regenerated", "kept_as_is", "dropped", "turns_regenerated", "generations_cut",
+          "tokens_generated", "tokens_per_s")
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} of the event files in `folder` as TensorBoard reads them (what a
+    resumed run purged left out)."""
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def script_args(target: Path, output: Path) -> list[str | Path]:
@@ -60,10 +75,29 @@ def engine_of(kimi, batch_size: int) -> HfEngine:
 
 @pytest.fixture(scope="module")
 def regenerated(kimi, kimi_target, tmp_path_factory) -> tuple[Path, dict]:
+    """(output folder, report) of one run, reporting to TensorBoard after every conversation."""
     out = tmp_path_factory.mktemp("regenerated") / "out"
     options = RegenerateOptions(inputs=sorted((REPO_ROOT / "data").glob("demo_*.jsonl")), target=kimi_target,
                                 output=out, **SETTINGS)
-    return out, regenerate(options, kimi[2], engine_of(kimi, 3))
+    trackers = open_trackers(["tensorboard"], out.parent, "regenerate")
+    try:
+        return out, regenerate(options, kimi[2], engine_of(kimi, 3), trackers, log_seconds=0)
+    finally:
+        trackers.close()
+
+
+def test_progress_goes_to_the_trackers(regenerated):
+    """A point per conversation at step = conversations done, the report's totals at the last."""
+    out, report = regenerated
+    scalars = tensorboard_scalars(out.parent / TENSORBOARD_DIR / "regenerate")
+    assert sorted(scalars) == sorted(f"regenerate/{name}" for name in CURVES)
+    assert [step for step, _ in scalars["regenerate/conversations_done"]] == list(range(1, SAMPLES + 1))
+    final = {name: scalars[f"regenerate/{name}"][-1] for name in CURVES}
+    for name, key in (("conversations_done", "records_read"), ("regenerated", "regenerated"),
+                      ("kept_as_is", "kept_as_is"), ("turns_regenerated", "assistant_turns_regenerated"),
+                      ("generations_cut", "generations_cut_at_limit"), ("tokens_generated", "generated_tokens")):
+        assert final[name] == (SAMPLES, report[key]), name
+    assert final["dropped"] == (SAMPLES, sum(report["dropped"].values())) and final["tokens_per_s"][1] > 0
 
 
 def test_regenerated_turns_are_the_targets_greedy_generations(kimi, regenerated):
@@ -130,7 +164,8 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
 def test_resume_after_sigkill_neither_repeats_nor_loses(kimi_target, regenerated, tmp_path):
     reference, report = regenerated
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO_ROOT / SCRIPT), *map(str, script_args(kimi_target, out))]
+    cmd = [sys.executable, str(REPO_ROOT / SCRIPT), *map(str, script_args(kimi_target, out)), "--report-to",
+           "tensorboard"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, **ONE_THREAD})
     try:
@@ -143,7 +178,7 @@ def test_resume_after_sigkill_neither_repeats_nor_loses(kimi_target, regenerated
     finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.jsonl")}
     assert 0 < len(finished) < SAMPLES // 2 and not (out / "regenerate_report.json").exists()
 
-    run_script(SCRIPT, *script_args(kimi_target, out), env=ONE_THREAD)
+    proc = run_script(SCRIPT, *script_args(kimi_target, out), "--report-to", "tensorboard", env=ONE_THREAD)
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.jsonl") if p.name in finished} == finished
     ids = [r["id"] for r in read_regenerated(out)]
     assert len(ids) == len(set(ids))
@@ -153,6 +188,13 @@ def test_resume_after_sigkill_neither_repeats_nor_loses(kimi_target, regenerated
     for key in ("records_read", "regenerated", "dropped", "generations", "generated_tokens"):
         assert resumed[key] == report[key], key
     assert not list(out.rglob(".tmp-*"))
+    # The resumed run's curves go on past the conversations of the parts it found (2 a part), in a new
+    # event file of the same folder; the last point holds the totals, counted as the report counts.
+    assert f"reporting to tensorboard: {tmp_path / TENSORBOARD_DIR / 'regenerate'}" in proc.stdout
+    scalars = tensorboard_scalars(tmp_path / TENSORBOARD_DIR / "regenerate")
+    steps = [step for step, _ in scalars["regenerate/conversations_done"]]
+    assert steps == sorted(set(steps)) and steps[-1] == SAMPLES
+    assert scalars["regenerate/tokens_generated"][-1] == (SAMPLES, report["generated_tokens"])
 
 
 def test_a_resumed_run_with_other_settings_is_refused(kimi, kimi_target, regenerated):

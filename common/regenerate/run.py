@@ -9,11 +9,15 @@ counts, written before the part's data file, and the settings, so a resumed run 
 command) skips finished parts, regenerates nothing twice and loses nothing, and refuses
 different settings. The report `regenerate_report.json` (per host `..._shard-J-of-K_report.json`)
 sums the parts.
+
+Given trackers (common/trackers.py; 00's `--report-to`), the run's progress goes to them as scalars
+at step = input records done (`_Curves` says which).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +31,16 @@ from common.prepare.conversations import Conversation, Rejection, to_conversatio
 from common.prepare.readers import iter_records, resolve_inputs
 from common.regenerate.options import RegenerateOptions
 from common.regenerate.turns import Engine, PartStats, TurnRegenerator, _Turns
+from common.trackers import Trackers
 
-__all__ = ["regenerate", "part_name", "report_name", "summary_lines", "JOURNAL_DIR"]
+__all__ = ["regenerate", "records_done", "part_name", "report_name", "summary_lines", "JOURNAL_DIR"]
 
 JOURNAL_DIR = ".journal"
 PART_FORMAT = "shard-{shard:03d}-of-{shards:03d}-part-{part:06d}"
 # Settings that change what is generated: a resumed run must use the same.
 RESUME_KEYS = ("inputs", "target", "max_new_tokens", "temperature", "top_p", "seed", "max_samples", "num_shards",
                "shard_index", "part_size", "max_prompt_len", "thinking", "keep_cut", "keep_too_long")
+LOG_SECONDS = 10.0  # at most one point of the trackers' curves per this many seconds, and always the totals
 
 
 # --- parts, journal, report -------------------------------------------------------------------
@@ -65,6 +71,48 @@ def _host_parts(options: RegenerateOptions) -> Iterator[tuple[int, list[tuple[st
             part, records = part + 1, []
     if records:
         yield part, records
+
+
+def records_done(options: RegenerateOptions) -> int:
+    """Input records of this host's finished parts (their journal counts): the step a resumed run's
+    curves go on from."""
+    prefix = part_name(options.shard_index, options.num_shards, 0).rsplit("-", 1)[0]
+    done = 0
+    for data in options.output.glob(f"{prefix}-*.jsonl"):
+        counts = options.output / JOURNAL_DIR / f"{data.stem}.json"
+        if counts.is_file():
+            done += PartStats.from_json(read_json(counts)).records
+    return done
+
+
+class _Curves:
+    """00's scalars in the trackers, at step = input records done (those of the finished parts a
+    resumed run found included): `regenerate/conversations_done` (the step itself), `regenerated`,
+    `kept_as_is`, `dropped`, `turns_regenerated`, `generations_cut` and `tokens_generated` (counted
+    as the report counts them, over every part of this host so far), and `tokens_per_s` (tokens
+    this run generated / wall seconds since it began). After a conversation, at most one point per
+    `log_seconds`; the totals at the end."""
+
+    def __init__(self, trackers: Trackers | None, log_seconds: float = LOG_SECONDS) -> None:
+        self.trackers = trackers or Trackers([])
+        self.log_seconds = log_seconds
+        self.start = time.perf_counter()
+        self.last_time, self.last_step = -math.inf, -1
+
+    def log(self, parts: list[PartStats], new_tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        step = sum(p.regenerated + p.kept_as_is + sum(p.dropped.values()) for p in parts)
+        if not self.trackers or step == self.last_step or (not final and now - self.last_time < self.log_seconds):
+            return
+        count = lambda name: sum(getattr(p, name) for p in parts)  # noqa: E731
+        self.trackers.log({"regenerate/conversations_done": step, "regenerate/regenerated": count("regenerated"),
+                           "regenerate/kept_as_is": count("kept_as_is"),
+                           "regenerate/dropped": sum(sum(p.dropped.values()) for p in parts),
+                           "regenerate/turns_regenerated": count("turns"),
+                           "regenerate/generations_cut": count("generations_cut"),
+                           "regenerate/tokens_generated": count("generated_tokens"),
+                           "regenerate/tokens_per_s": new_tokens / max(now - self.start, 1e-9)}, step)
+        self.last_time, self.last_step = now, step
 
 
 def _check_settings(journal: Path, options: RegenerateOptions) -> None:
@@ -114,20 +162,24 @@ def _count(state: _Turns, stats: PartStats) -> None:
         stats.dropped[state.outcome] += 1
 
 
-def regenerate(options: RegenerateOptions, tokenizer, engine: Engine) -> dict:
-    """Run (or resume) this host's share and write its report; returns the report."""
+def regenerate(options: RegenerateOptions, tokenizer, engine: Engine, trackers: Trackers | None = None,
+               log_seconds: float = LOG_SECONDS) -> dict:
+    """Run (or resume) this host's share and write its report; returns the report. `trackers`: told
+    the run's progress (`_Curves`)."""
     options.check()
     output = options.output
     journal = output / JOURNAL_DIR
     journal.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(output)
     _check_settings(journal, options)
+    curves = _Curves(trackers, log_seconds)
+    curves.trackers.log_params(options.settings())  # the settings a resume must keep, the engine, the target
     regenerator = TurnRegenerator(tokenizer, engine, options)
     total = PartStats()
     resumed = 0
     bar = tqdm(desc="regenerate", unit=" conv", mininterval=1.0, dynamic_ncols=True)
     start = time.perf_counter()
-    new_tokens = 0
+    new_tokens = new_parts = 0
     for part, records in _host_parts(options):
         name = part_name(options.shard_index, options.num_shards, part)
         if (output / f"{name}.jsonl").is_file():
@@ -136,6 +188,7 @@ def regenerate(options: RegenerateOptions, tokenizer, engine: Engine) -> dict:
             continue
         stats = PartStats(records=len(records))
         part_start = time.perf_counter()
+        new_parts += 1
         conversations = _normalise(records, stats)
         bar.update(len(records) - len(conversations))
 
@@ -144,6 +197,7 @@ def regenerate(options: RegenerateOptions, tokenizer, engine: Engine) -> dict:
             bar.update(1)
             rate = (new_tokens + stats.generated_tokens) / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
+            curves.log([total, stats], new_tokens + stats.generated_tokens)
 
         states = regenerator.run(conversations, stats, options.seed + part, done)
         stats.seconds = time.perf_counter() - part_start
@@ -151,6 +205,8 @@ def regenerate(options: RegenerateOptions, tokenizer, engine: Engine) -> dict:
         _write_part(output, name, states, stats)
         total.add(stats)
     bar.close()
+    if new_parts:  # a run that found every part done logs nothing: its totals are the last run's
+        curves.log([total], new_tokens, final=True)
     report = _report(total, options, resumed)
     write_json(output / report_name(options.shard_index, options.num_shards), report)
     return report
