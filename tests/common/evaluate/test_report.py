@@ -1,6 +1,7 @@
 """common/evaluate/report.py: the side-by-side table (one column per draft, and per k when there are
-several), the gap note, figures per prompt set and category counted right, and --json's keys
-(the contract's top level at the first k, `by_prompt_set`, `by_k`)."""
+several), the gap note, figures per prompt set and category counted right, --json's keys
+(the contract's top level at the first k, `by_prompt_set`, `by_k`), and the same figures as the
+trackers' scalars at each k."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import pytest
 from common.evaluate.decoding import Generation, SpeculativeStats
 from common.evaluate.measure import MeasuredResult
 from common.evaluate.prompts import Prompt
-from common.evaluate.report import DraftReport, by_prompt_set, gap_notes, summary_table, write_report
+from common.evaluate.report import (
+    DraftReport,
+    by_prompt_set,
+    gap_notes,
+    served_scalars,
+    summary_table,
+    tracker_scalars,
+    write_report,
+)
+from common.evaluate.served import VllmMeasured
 
 K = 3
 OFFLINE = {"simulated_acceptance_length": 1.5, "val_loss": 2.0, "loss_per_step": [1.0, 0.6, 0.4],
@@ -89,3 +99,36 @@ def test_several_k_in_the_table_and_the_json(tmp_path):
     assert report["drafts"][0]["generations"][1] == {
         "sample_id": "mt:81:2", "row": 1, "prompt_set": "mt-bench", "category": "writing", "turn": 2,
         "prompt_tokens": 1, "tokens": [5, 5, 5], "accepted_per_pass": [1], "text": "xxx"}
+
+
+def test_tracker_scalars_at_each_k_and_served_beside():
+    """The first draft's figures untagged by name, the others' (a reference, the baselines) under
+    their names, no speculation left out; the offline figures read at each k; a set's name made
+    one part of a tag; vLLM's counters under served/."""
+    draft = DraftReport("draft", "d", {3: measured(3, ACCEPTED), 5: measured(5, ACCEPTED)}, offline=OFFLINE)
+    ngram = DraftReport("n-gram", "lookup", {3: measured(3, [[0]] * 5), 5: measured(5, [[1]] * 5)})
+    none = DraftReport("no speculation", "target alone", {3: measured(3, [[0]] * 5)})
+    prompts = [*PROMPTS[:4], Prompt(4, "he:0", [1], "human eval", None, 1)]
+    scalars = tracker_scalars([draft], {"ngram": ngram, "none": none}, prompts, [3, 5])
+    assert sorted(scalars) == [3, 5]
+    at3 = scalars[3]
+    assert at3["evaluate/all/acceptance_length"] == pytest.approx(1 + 12 / 9)  # 12 accepted over 9 passes
+    assert at3["evaluate/mt-bench/acceptance_length"] == pytest.approx(1 + 9 / 7)
+    assert at3["evaluate/mt-bench/acceptance_rate/position_2"] == pytest.approx(3 / 7)
+    assert at3["evaluate/mt-bench/category/math/acceptance_length"] == pytest.approx(1.5)
+    assert at3["evaluate/human_eval/acceptance_length"] == 2.5
+    assert at3["evaluate/all/ngram/acceptance_length"] == 1.0 and at3["evaluate/mt-bench/ngram/acceptance_length"] == 1
+    assert at3["evaluate/offline/simulated_acceptance_length"] == pytest.approx(1.5)
+    assert at3["evaluate/all/identical_to_greedy"] == 1.0 and not any("no speculation" in t or "/none/" in t
+                                                                     for t in at3)
+    assert "evaluate/all/acceptance_rate/position_5" in scalars[5] and "evaluate/all/acceptance_rate/position_4" \
+        not in at3
+    assert scalars[5]["evaluate/offline/simulated_acceptance_length"] == pytest.approx(1 + 0.4 + 0.1 + 0.0)
+
+    served = {"draft": {3: VllmMeasured([[1, 2]], 2.0, drafts=4, accepted=6, accepted_per_pos=[3, 2, 1])},
+              "reference": {3: VllmMeasured([[1, 2]], 1.0, drafts=4, accepted=2, accepted_per_pos=[2, 0, 0])}}
+    figures = served_scalars(served, 10.0)[3]
+    assert figures["evaluate/served/acceptance_length"] == 2.5
+    assert figures["evaluate/served/acceptance_rate/position_1"] == 0.75
+    assert figures["evaluate/served/reference/acceptance_length"] == 1.5
+    assert figures["evaluate/served/tokens_per_s"] == 1.0 and figures["evaluate/served/plain/tokens_per_s"] == 10.0
