@@ -187,6 +187,11 @@ def matches(rel: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatch(rel, p) for p in patterns)
 
 
+# The experiment trackers' folders (common/trackers.py; TensorBoard by default): event logs appended as a
+# run goes, not stage outputs that a later stage trusts, so any run may add to them under final names.
+TRACKER_OUTPUTS = ("*tensorboard/*", "*wandb/*")
+
+
 # setups: each returns the script's arguments
 
 
@@ -551,7 +556,8 @@ def fresh_run_beside_earlier(ws: Workspace, proc: subprocess.CompletedProcess) -
     earlier = list(ws.run.glob("train.previous-*"))
     assert len(earlier) == 1 and f"were moved to {earlier[0]}" in proc.stdout
     assert {p.name for p in earlier[0].iterdir()} == {"checkpoints", "draft", "train_log.jsonl", "train_log.png",
-                                                       "train_report.json"}
+                                                       "train_report.json", "tensorboard"}
+    assert (earlier[0] / "tensorboard" / "train").is_dir()  # the earlier run's curves, moved with it
     new_log = [json.loads(line) for line in (ws.run / "train_log.jsonl").read_text().splitlines()]
     assert new_log[0]["step"] == 0 and {r["epoch"] for r in new_log} == set(range(EPOCHS))
 
@@ -829,7 +835,8 @@ def check_outcome(fault: Fault, ws: Workspace, proc: subprocess.CompletedProcess
     lost = sorted(p for p in set(kept) - set(after) if not moved_unchanged(p, kept[p], after, fault.moved_to))
     changed = sorted(p for p in kept if p in after and kept[p] != after[p] and not matches(p, fault.may_change)
                      and not moved_unchanged(p, kept[p], after, fault.moved_to))
-    added = sorted(p for p in set(after) - set(before) if not is_temporary(p) and not matches(p, fault.may_add))
+    added = sorted(p for p in set(after) - set(before)
+                   if not is_temporary(p) and not matches(p, fault.may_add + TRACKER_OUTPUTS))
     assert not lost, f"files lost: {lost}"
     assert not changed, f"files changed: {changed}"
     assert not added, f"files written under a final name: {added}"
