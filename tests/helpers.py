@@ -398,3 +398,21 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def greedy_target(target: Path) -> tuple:
+    """(info, fp32 model with logits, tokenizer, stop ids) of a target, for 00's engine in process."""
+    from common.target.model import load_text_model
+    from common.target.tokenizer import load_tokenizer
+
+    info = load_target_info(target, trust_remote_code=True)
+    model = load_text_model(info, torch.float32, "cpu", None, logits=True)
+    return info, model, load_tokenizer(target, True), info.stop_ids
+
+
+def engine_of(parts: tuple, batch_size: int):
+    """00's HF engine over `greedy_target`'s parts: greedy, `batch_size` conversations at a time."""
+    from common.regenerate.engines import HfEngine
+
+    _, model, tokenizer, stops = parts
+    return HfEngine(model, stops, tokenizer.pad_token_id or min(stops), 0.0, 1.0, batch_size)

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import assert_same_turns, read_regenerated, run_script, vllm_server
+from helpers import assert_same_turns, engine_of, greedy_target, read_regenerated, run_script, vllm_server
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common.defaults import REPO_ROOT
@@ -25,12 +24,8 @@ from common.evaluate.decoding import plain_generate
 from common.prepare.prepare import PrepareOptions, prepare
 from common.prepare.prepared_dataset import load_prepared
 from common.regenerate.assistant_output import parse_assistant_text
-from common.regenerate.engines import HfEngine
 from common.regenerate.options import RegenerateOptions
 from common.regenerate.run import regenerate
-from common.target.config import load_target_info
-from common.target.model import load_text_model
-from common.target.tokenizer import load_tokenizer
 from common.trackers import TENSORBOARD_DIR, open_trackers
 
 SCRIPT = "00_regenerate.py"
@@ -62,15 +57,7 @@ def script_args(target: Path, output: Path) -> list[str | Path]:
 
 @pytest.fixture(scope="module")
 def kimi(kimi_target):
-    info = load_target_info(kimi_target, trust_remote_code=True)
-    model = load_text_model(info, torch.float32, "cpu", None, logits=True)
-    tokenizer = load_tokenizer(kimi_target, True)
-    return info, model, tokenizer, info.stop_ids
-
-
-def engine_of(kimi, batch_size: int) -> HfEngine:
-    _, model, tokenizer, stops = kimi
-    return HfEngine(model, stops, tokenizer.pad_token_id or min(stops), 0.0, 1.0, batch_size)
+    return greedy_target(kimi_target)
 
 
 @pytest.fixture(scope="module")

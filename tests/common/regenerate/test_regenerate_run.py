@@ -4,30 +4,17 @@ reason."""
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import read_regenerated
+from helpers import engine_of, greedy_target, read_regenerated
 
-from common.regenerate.engines import HfEngine
 from common.regenerate.options import RegenerateOptions
 from common.regenerate.run import regenerate
-from common.target.config import load_target_info
-from common.target.model import load_text_model
-from common.target.tokenizer import load_tokenizer
 
 MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
 def kimi(kimi_target):
-    info = load_target_info(kimi_target, trust_remote_code=True)
-    model = load_text_model(info, torch.float32, "cpu", None, logits=True)
-    tokenizer = load_tokenizer(kimi_target, True)
-    return info, model, tokenizer, info.stop_ids
-
-
-def engine_of(kimi, batch_size: int) -> HfEngine:
-    _, model, tokenizer, stops = kimi
-    return HfEngine(model, stops, tokenizer.pad_token_id or min(stops), 0.0, 1.0, batch_size)
+    return greedy_target(kimi_target)
 
 
 def test_bad_rows_are_skipped_and_counted_and_every_format_is_read(kimi, kimi_target, tmp_path):
