@@ -454,6 +454,8 @@ def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "x 2 rank(s)" in whole.stdout and "recipe: muon" in whole.stdout  # Muon on FSDP-sharded matrices
+    assert whole.stdout.count("reporting to tensorboard") == 1  # rank 0 alone reports: one writer, one event file
+    assert len(list((small_data / "ranks2" / "tensorboard" / "train").glob("events.out.tfevents.*"))) == 1
     kill_after_step_checkpoint([*torchrun, *small_args(small_data, flat_target, "ranks2_killed", "--epochs", "1")],
                                small_data / "ranks2_killed" / "checkpoints" / "steps")
     assert checkpoints.latest(small_data / "ranks2_killed" / "checkpoints").skip_batches > 0
@@ -464,6 +466,8 @@ def test_torchrun_two_ranks_on_cpu_kill_and_resume(small_data, flat_target):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step checkpoint" in resumed.stdout
     assert_same_training(small_data, "ranks2", "ranks2_killed", last_epoch=0)
+    curves = [tensorboard_scalars(small_data / name / "tensorboard" / "train") for name in ("ranks2", "ranks2_killed")]
+    assert curves[1]["train/loss"] == curves[0]["train/loss"]  # rank 0's averaged metrics, continued on resume
     for rank in (0, 1):  # every rank's generators were saved
         assert (small_data / "ranks2_killed" / "checkpoints" / "0" / checkpoints.rng_file(rank)).is_file()
 
