@@ -89,9 +89,9 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (row label, 04 f
     "lr": ("+ lr 1.8e-2", changed("--lr", "0.018")),
     "defaults-frozen-head": ("defaults, draft lm_head frozen", ("--freeze-draft-lm-head",)),
     "defaults-no-noise": ("defaults, noise off (as upstream)", ("--noise-std", "0")),
-    "target-temperature-1": ("defaults, target at temperature 1 (before)", ("--target-temperature", "1")),
+    "target-temperature-1": ("defaults, target at temperature 1 (the library's)", ("--target-temperature", "1")),
     "target-temperature-0.7": ("defaults, target at temperature 0.7", ("--target-temperature", "0.7")),
-    "muon-wd-0.01": ("defaults, Muon weight decay 0.01 (before issue 33)", ("--muon-weight-decay", "0.01")),
+    "muon-wd-0.01": ("defaults, Muon weight decay 0.01 (AdamW's)", ("--muon-weight-decay", "0.01")),
     "muon-wd-0.2": ("defaults, Muon weight decay 0.2", ("--muon-weight-decay", "0.2")),
     "muon-wd-0.3": ("defaults, Muon weight decay 0.3", ("--muon-weight-decay", "0.3")),
     # the losses, TTT depths and EAGLE-3.1's norms, each alone on the defaults, and together
