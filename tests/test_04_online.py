@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import kill_after_step_checkpoint, run_in_process, run_script, write_prepared
+from helpers import kill_after_step_checkpoint, run_in_process, run_script, tensorboard_scalars, write_prepared
 
 from common.defaults import REPO_ROOT
 from common.draft.model import TINY_CONFIG
@@ -51,10 +51,15 @@ def sha256(path: Path) -> str:
 
 
 def assert_same_draft(run: Path, reference: Path) -> None:
-    """Bitwise-equal exported draft and last fp32 checkpoint, and the same log step by step."""
+    """Bitwise-equal exported draft and last fp32 checkpoint, and the same log step by step (an online
+    run's report steps also hold the seconds it waited for states, a timing of its own)."""
     for name in ("draft/model.safetensors", "checkpoints/1/model.safetensors"):
         assert sha256(run / name) == sha256(reference / name), name
-    assert read_log(run / "train_log.jsonl") == read_log(reference / "train_log.jsonl")
+
+    def without_waits(path: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "state_wait_seconds"} for r in read_log(path)]
+
+    assert without_waits(run / "train_log.jsonl") == without_waits(reference / "train_log.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +89,11 @@ def test_online_draft_is_bitwise_the_offline_draft(runs):
     split = json.loads((runs.online / "draft" / "validation_split.json").read_text())
     offline_split = json.loads((runs.offline / "draft" / "validation_split.json").read_text())
     assert split["validation_rows"] == offline_split["validation_rows"]
-    assert sorted(p.name for p in runs.online.iterdir()) == ["checkpoints", "draft", "train_log.jsonl",
+    assert sorted(p.name for p in runs.online.iterdir()) == ["checkpoints", "draft", "tensorboard", "train_log.jsonl",
                                                              "train_log.png", "train_report.json"]
+    curves = tensorboard_scalars(runs.online / "tensorboard" / "train")
+    assert curves["train/state_wait_share"] and all(0 <= share <= 1 for _, share in curves["train/state_wait_share"])
+    assert [s for s, _ in curves["online/computed_samples"]] == [s for s, _ in curves["train/loss"]][-1:]
     assert not list(runs.online.rglob("data_*.pt"))
 
 
