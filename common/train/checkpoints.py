@@ -39,9 +39,11 @@ SPLIT_BY_ROW_FORMAT = 2  # from this format on, the run split its data by prepar
 KEEP_STEP_CHECKPOINTS = 2
 # Training settings a resumed run may change: each takes effect from the resumed step.
 # select_k: which epoch is exported; report_to, log_every: where and how often the curves go
-CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every", "select_k", "report_to", "log_every")
+# activation_checkpointing: the same step computed with less memory (the same update within float rounding)
+CHANGEABLE_ON_RESUME = ("epochs", "num_workers", "save_every", "select_k", "report_to", "log_every",
+                        "activation_checkpointing")
 # Settings that checkpoints of earlier versions did not record, at the value those trained with.
-UNRECORDED = {"target_temperature": 1.0}
+UNRECORDED = {"target_temperature": 1.0, "grad_accum": 1, "activation_checkpointing": False}
 
 
 def rng_file(rank: int) -> str:

@@ -67,6 +67,13 @@ class TrainSettings:
     val_ratio: float = _setting(0.1, "share of samples held out for validation (0: none)")
     noise_std: float = _setting(0.05, "uniform noise on the auxiliary states, half-width (0: off)")
     total_seq_len: int = _setting(8192, "tokens packed into one training sequence per rank")
+    grad_accum: int = _setting(1, "packed sequences whose gradients are summed into one optimizer step (tokens per "
+                                  "step = N x --total-seq-len x ranks): the larger batch's update where memory holds "
+                                  "one pack")
+    activation_checkpointing: bool = _setting(False, "keep only each TTT step's inputs for the backward pass and "
+                                                     "recompute the step there (about a third more compute, a "
+                                                     "fraction of the activation memory); the loss is taken by "
+                                                     "token tiles, never a whole [tokens x vocabulary] tensor")
     scheduler: str = _setting("linear", "learning-rate schedule: linear, cosine or none")
     warmup_steps: int | None = _setting(None, "warm-up steps (default: 1%% of all steps, the library's)")
     num_workers: int = _setting(0, "data-loader worker processes")
@@ -124,6 +131,7 @@ class TrainSettings:
                  (f"--val-ratio {self.val_ratio}", 0 <= self.val_ratio < 1, "in [0, 1)"),
                  (f"--noise-std {self.noise_std}", self.noise_std >= 0, "0 or more"),
                  (f"--total-seq-len {self.total_seq_len}", self.total_seq_len >= 2, "at least 2"),
+                 (f"--grad-accum {self.grad_accum}", self.grad_accum >= 1, "at least 1"),
                  (f"--scheduler {self.scheduler}", self.scheduler in SCHEDULERS, f"one of {', '.join(SCHEDULERS)}"),
                  # the library reads 0 as unset (`warmup or default`), so 0 cannot be honoured
                  (f"--warmup-steps {self.warmup_steps}", self.warmup_steps is None or self.warmup_steps >= 1,
