@@ -16,7 +16,14 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from speculators.train.utils import maybe_setup_distributed
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.train.utils import apply_fully_sharded, maybe_setup_distributed
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+# The library's policy (speculators.train.utils.apply_fully_sharded): bf16 compute, fp32 reductions.
+MIXED_PRECISION = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FROZEN_UNITS = ("embed_tokens", "verifier_lm_head")  # the target's weights the draft reads, never trained
 
 
 def under_torchrun() -> bool:
@@ -29,6 +36,31 @@ def setup_distributed() -> tuple[int, int, int, bool]:
         return maybe_setup_distributed()
     dist.init_process_group("gloo")
     return int(os.environ["LOCAL_RANK"]), dist.get_world_size(), dist.get_rank(), True
+
+
+def shard_draft(model: Eagle3DraftModel, device: torch.device) -> None:
+    """The library's FSDP layout (each decoder layer a unit, the rest in the root's), with two changes.
+
+    The library's `setup_model` shards the draft (moving its layers to the meta device), then
+    re-creates the layers on the hard-coded "cuda" and calls `reset_parameters` where a module has
+    one, so the layers start from other weights than the draft built (and the RMS norms, which have
+    no such method, from uninitialised memory). Here the layers are re-created on `device` and the
+    draft's own initial weights loaded back from rank 0: a torchrun run starts where a
+    single-process one does.
+
+    The frozen embedding and verifier lm_head are units of their own, resharded after each call. In
+    the root's unit they would stay gathered through forward and backward on every rank (FSDP keeps
+    the root unsharded after forward): Kimi-K2.5's 163,840 x 7,168 embedding alone is 2.3 GB in
+    bf16 on each of 8 ranks. As their own units each rank keeps 1/world of their weights and holds
+    them whole only while they run, under no_grad (no gradient: the backward never gathers them)."""
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name in FROZEN_UNITS:
+        fully_shard(getattr(model, name), mp_policy=MIXED_PRECISION, reshard_after_forward=True)
+    apply_fully_sharded(model)
+    for layer in model.layers:
+        layer.to_empty(device=device)
+    set_model_state_dict(model, initial, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                  strict=False))
 
 
 def teardown_distributed() -> None:

@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.train.trainer import Trainer, TrainerConfig
-from speculators.train.utils import apply_fully_sharded
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils.data import DataLoader
 
 from common.atomic import TMP_PREFIX, remove_stale_temporaries
@@ -31,6 +29,7 @@ from common.draft.model import config_differences, read_saved_config, saved_tens
 from common.errors import PipelineError
 from common.train import checkpoints
 from common.train.checkpoints import Position, ResumePoint
+from common.train.distributed import shard_draft
 from common.train.metrics import LOG_FILE, METRICS_LOGGER, PLOT_FILE, REPORT_FILE, MetricsLog
 from common.train.optimizers import build_optimizer, build_scheduler
 from common.train.settings import TrainSettings
@@ -153,21 +152,12 @@ class ProjectTrainer(Trainer):
             self.global_step = self.current_epoch * len(self.train_loader)
 
     def setup_model(self) -> None:
-        """Single process: the library's. Under torchrun the library shards the draft (moving its
-        layers to the meta device), then re-creates the layers on the hard-coded "cuda" and calls
-        `reset_parameters` where a module has one, so the layers start from other weights than
-        the draft built (and the RMS norms, which have no such method, from uninitialised
-        memory). Here the layers are re-created on this rank's device and the draft's own initial
-        weights loaded back from rank 0: a torchrun run starts where a single-process one does."""
+        """Single process: the library's. Under torchrun: `shard_draft` (the library's sharding,
+        started from the draft's own initial weights, the frozen target weights kept sharded)."""
         if not self.is_distributed:
             super().setup_model()
             return
-        initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        apply_fully_sharded(self.model)
-        for layer in self.model.layers:
-            layer.to_empty(device=self.local_rank)
-        set_model_state_dict(self.model, initial, options=StateDictOptions(full_state_dict=True,
-                                                                            broadcast_from_rank0=True, strict=False))
+        shard_draft(self.model, self.local_rank)
 
     def setup_optimizer(self) -> None:
         """The optimizer of `--optimizer` and the library's schedule (its own `setup_optimizer`

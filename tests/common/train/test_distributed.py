@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,3 +51,63 @@ def test_a_rank_leaves_with_its_code_its_output_flushed_and_no_finalization():
             "print('to stderr', file=sys.stderr, end=''); leave_rank(3)")
     left = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (left.returncode, left.stdout) == (3, "done") and left.stderr.endswith("to stderr")
+
+
+SHARD_SCRIPT = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from common.draft import patch
+from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
+from common.target.config import load_target_info
+from common.train.distributed import FROZEN_UNITS, setup_distributed, shard_draft, teardown_distributed
+from common.vocab import build_maps
+
+_, world, rank, _ = setup_distributed()
+patch.apply(trust_remote_code=True, compile_forward=False)
+info = load_target_info(sys.argv[1], trust_remote_code=True)
+counts = torch.zeros(info.vocab_size, dtype=torch.long)
+counts[:1000] = torch.arange(1000, 0, -1)
+d2t, t2d = build_maps(counts, 256)
+config = speculator_config(read_config_file(TINY_CONFIG).model, info, 256, info.default_layer_ids(), 3)
+torch.manual_seed(0)
+model = build_draft(config, t2d, d2t)
+whole = {name: getattr(model, name).weight.detach().clone() for name in FROZEN_UNITS}
+shard_draft(model, torch.device('cpu'))
+g = torch.Generator().manual_seed(1)
+n, h = 32, info.hidden_size
+batch = {"hidden_states": torch.randn(1, n, 3 * h, generator=g), "input_ids": torch.randint(0, 1000, (1, n), generator=g),
+         "verifier_last_hidden_states": torch.randn(1, n, h, generator=g), "loss_mask": torch.ones(1, n, dtype=torch.long),
+         "lengths": torch.tensor([n]), "position_ids": torch.arange(n).unsqueeze(0)}
+seen = []  # during the step, after the embedding's first call: is each frozen weight sharded?
+model.norm.register_forward_pre_hook(lambda *_: seen.append([isinstance(getattr(model, n).weight, DTensor)
+                                                             for n in FROZEN_UNITS]))
+_, loss, _ = model(**batch, ttt_steps=2)
+loss.backward()
+for name in FROZEN_UNITS:
+    weight = getattr(model, name).weight
+    assert isinstance(weight, DTensor), (name, type(weight))  # resharded after its call
+    local = weight.to_local()
+    assert local.shape[0] == -(-whole[name].shape[0] // world), (name, local.shape)
+    assert torch.equal(weight.full_tensor(), whole[name]), name
+    assert weight.grad is None, name
+assert seen and all(all(step) for step in seen), seen
+assert model.fc.weight.grad is not None
+print(f"rank {rank} ok {float(loss):.6f}")
+teardown_distributed()
+'''
+
+
+def test_frozen_weights_are_sharded_and_held_whole_only_while_they_run(flat_target, tmp_path):
+    """Two gloo ranks: during the forward (after their calls) and after the backward, the embedding
+    and verifier lm_head are sharded (each rank half their rows, together the target's weights, no
+    gradient): units of their own, not the root's, which FSDP keeps gathered through the step."""
+    script = tmp_path / "shard.py"
+    script.write_text(SHARD_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(flat_target)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    losses = {line.split()[3] for line in run.stdout.splitlines() if " ok " in line}
+    assert len(losses) == 1, run.stdout  # both ranks computed the same loss
