@@ -16,7 +16,8 @@ distribution (see `verifier_targets`).
 
 `common.draft.patch.apply(loss=..., target_temperature=...)` installs a `DraftLoss` into the library.
 Compiled with the KL loss at temperature 1, the library's function stays: the compiler fuses its
-elementwise work itself.
+elementwise work itself. `common.draft.forward` takes the same loss by tiles of tokens with these
+functions (a tile's `verifier_targets`, `step_loss` over the step's `mean_denominator`, `accuracy_of`).
 """
 
 from __future__ import annotations
@@ -60,23 +61,32 @@ def verifier_targets(logits: torch.Tensor, name: str = "kl", temperature: float 
                            log_p=torch.log_softmax(scaled, dim=-1) if name in LOG_P_LOSSES else None)
 
 
-def masked_mean(per_token: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """The library's reduction: the sum over the masked tokens divided by their count (+1e-5)."""
+def mean_denominator(loss_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | int:
+    """What the library divides a step's summed loss by: the count of masked tokens (+1e-5), or the
+    step's `tokens` without a mask. Known before any token's loss, so a step taken by tiles of
+    tokens divides each tile's sum by it (`common.draft.forward`)."""
+    return loss_mask.sum(dim=1) + 1e-5 if loss_mask is not None else tokens
+
+
+def masked_mean(per_token: torch.Tensor, loss_mask: torch.Tensor | None,
+                denominator: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The library's reduction: the sum over the masked tokens divided by their count (+1e-5).
+    `denominator`: the whole step's (`mean_denominator`) where `per_token` is one tile of it."""
+    if denominator is None:
+        denominator = mean_denominator(loss_mask, per_token.shape[1])
     if loss_mask is not None:
         per_token = per_token * loss_mask
-        denominator: torch.Tensor | int = loss_mask.sum(dim=1) + 1e-5
-    else:
-        denominator = per_token.shape[1]
     return (per_token.sum(dim=1) / denominator).mean()
 
 
-def kl_loss(logits: torch.Tensor, p: torch.Tensor, p_log_p: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+def kl_loss(logits: torch.Tensor, p: torch.Tensor, p_log_p: torch.Tensor, loss_mask: torch.Tensor | None,
+            denominator: torch.Tensor | int | None = None) -> torch.Tensor:
     """The library's `loss_function` (KL(p || softmax(logits)), summed over the vocabulary and the
     masked tokens, divided by their count). Its backward reaches `log_softmax` as
     `-p * (g / denominator * mask)`, the product the library's `kl_div` backward forms: a 0/1
     mask multiplies the same scalar on either side, so the gradients are the same bits."""
     cross = (p * F.log_softmax(logits, dim=-1)).sum(-1)  # [1, T']
-    return masked_mean(p_log_p - cross, loss_mask)
+    return masked_mean(p_log_p - cross, loss_mask, denominator)
 
 
 def divergence(name: str, logits: torch.Tensor, t: VerifierTargets, step: int) -> torch.Tensor:
@@ -111,19 +121,27 @@ def divergence(name: str, logits: torch.Tensor, t: VerifierTargets, step: int) -
 
 
 def step_loss(name: str, logits: torch.Tensor, t: VerifierTargets, step: int,
-              loss_mask: torch.Tensor | None) -> torch.Tensor:
+              loss_mask: torch.Tensor | None, denominator: torch.Tensor | int | None = None) -> torch.Tensor:
     """One TTT step's loss under the divergence `name`: the library's KL for "kl", otherwise the
-    masked mean of `divergence`."""
+    masked mean of `divergence`. With `denominator` (the step's `mean_denominator`), the share of
+    the step's loss of the tokens given: one tile's."""
     if name == "kl":
-        return kl_loss(logits, t.p[:, step:], t.p_log_p[:, step:], loss_mask)
-    return masked_mean(divergence(name, logits, t, step), loss_mask)
+        return kl_loss(logits, t.p[:, step:], t.p_log_p[:, step:], loss_mask, denominator)
+    return masked_mean(divergence(name, logits, t, step), loss_mask, denominator)
 
 
 @torch.no_grad()
 def accuracy(logits: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor | None,
              prev_correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The library's `compute_accuracy`, given the verifier's argmax instead of its logits."""
-    correct = torch.argmax(logits, dim=-1) == target_ids
+    return accuracy_of(torch.argmax(logits, dim=-1), target_ids, loss_mask, prev_correct)
+
+
+@torch.no_grad()
+def accuracy_of(draft_ids: torch.Tensor, target_ids: torch.Tensor, loss_mask: torch.Tensor | None,
+                prev_correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accuracy` given the draft's argmax too (a step taken by tiles never holds all its logits)."""
+    correct = draft_ids == target_ids
     cond_denom: torch.Tensor | int = correct.numel()
     if prev_correct is not None:
         cond_denom = prev_correct.sum()

@@ -16,10 +16,14 @@ with other arguments replaces the earlier choice. What it installs:
    library's checks (hidden size, t2d size, masked lm_head shape).
 2. speculators' attention `simple_flex_attention` calls FlexAttention, which has no backward
    on CPU (torch 2.13). Under the same name we register a dispatcher: on CPU it evaluates the
-   block mask's `mask_mod` into a dense mask and runs SDPA; elsewhere it calls the library's
-   FlexAttention unchanged. The dense mask is made once per forward, as SDPA adds it (0 / -inf),
+   block mask's `mask_mod` into a dense mask and runs SDPA; elsewhere it calls FlexAttention
+   compiled on its own (`torch.compile(flex_attention)`, made once), or the plain function where a
+   compiled forward traces it. The dense mask is made once per forward, as SDPA adds it (0 / -inf),
    and grows by the new keys' columns at each TTT step; where the forward runs eagerly, the
    library's `create_block_mask` skips the block structure on CPU, which nothing there reads.
+   FlexAttention called eagerly would fall back to an implementation that materialises every
+   score (8,192 x 8,192 per head for a pack, times the TTT step): an eager forward on a GPU
+   (`compile_forward=False`, or the checkpointed forward of item 7) gets the compiled kernel too.
 3. The single-process checkpointer loads a resumed model and optimizer onto the hard-coded
    `"cuda:0"`. Ours loads onto the CPU; `load_state_dict` then copies every tensor onto the
    device of the parameter it belongs to, so this is right on any device.
@@ -35,6 +39,10 @@ with other arguments replaces the earlier choice. What it installs:
 6. The draft's loss (`compute_metrics`, once per TTT step) is a `common.draft.loss.DraftLoss`'s, chosen
    with `apply(loss=..., target_temperature=...)` (see that module); compiled with the KL loss at
    temperature 1, the library's function stays.
+
+7. `apply(activation_checkpointing=True)` replaces the forward with `common.draft.forward`'s: the
+   library's TTT loop with each step recomputed in the backward pass and the loss taken by tiles
+   of tokens (the same `DraftLoss`), run eagerly (`compile_forward` then chooses nothing for it).
 
 The EAGLE-3.1 norms (speculators 0.9.0's `norm_before_fc` / `norm_output`) are hooks on one draft,
 not a patch of the library: see `common.draft.eagle31`.
@@ -56,11 +64,12 @@ import torch.nn.functional as F
 from speculators.config import VerifierConfig
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.models.eagle3 import core as library_core
-from speculators.models.eagle3.attention import ALL_ATTENTION_FUNCTIONS, flex_attention_forward
+from speculators.models.eagle3.attention import ALL_ATTENTION_FUNCTIONS
 from speculators.train import checkpointer as library_checkpointer
 from speculators.train import trainer as library_trainer
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from common.draft.forward import make_forward
 from common.draft.loss import DraftLoss
 from common.target.config import TargetError, load_target_info, read_tensors, weight_map
 
@@ -78,21 +87,26 @@ BLOCK_SIZE = 128  # FlexAttention's default block, the library's
 
 
 def apply(*, trust_remote_code: bool = False, compile_forward: bool = True, loss: str = "kl",
-          target_temperature: float = 1.0) -> None:
+          target_temperature: float = 1.0, activation_checkpointing: bool = False) -> None:
     """Install the fixes above. `trust_remote_code` is used to read the target's config
     (Kimi-K2.5's is remote code); `compile_forward=False` runs the draft's forward eagerly;
     `loss` is the divergence the draft trains on, toward the verifier's distribution at
-    `target_temperature` (see `common.draft.loss.DraftLoss`, which refuses other values). A new
-    `DraftLoss` each time: no batch's targets made under an earlier choice are kept."""
+    `target_temperature` (see `common.draft.loss.DraftLoss`, which refuses other values);
+    `activation_checkpointing` installs the checkpointed forward (item 7). A new `DraftLoss` each
+    time: no batch's targets made under an earlier choice are kept."""
     draft_loss = DraftLoss(loss, target_temperature)
     Eagle3DraftModel._setup_embeddings_and_lm_heads = _make_setup(trust_remote_code)
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, attention_forward)
     library_trainer.SingleGPUCheckpointer = DeviceAgnosticCheckpointer
-    Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
+    compiled = compile_forward and not activation_checkpointing  # the library's forward, compiled whole
+    if activation_checkpointing:
+        Eagle3DraftModel.forward = make_forward(draft_loss)
+    else:
+        Eagle3DraftModel.forward = ORIGINAL_FORWARD if compile_forward else eager(ORIGINAL_FORWARD)
     library_trainer.dist = AVERAGING_DIST
-    library_loss = compile_forward and draft_loss.is_library_loss
+    library_loss = compiled and draft_loss.is_library_loss
     library_core.compute_metrics = ORIGINAL_COMPUTE_METRICS if library_loss else draft_loss.compute_metrics
-    library_core.create_block_mask = ORIGINAL_CREATE_BLOCK_MASK if compile_forward else create_block_mask
+    library_core.create_block_mask = ORIGINAL_CREATE_BLOCK_MASK if compiled else create_block_mask
 
 
 def eager(function):
@@ -231,12 +245,35 @@ def additive_mask(mask_mod, q_len: int, kv_len: int, dtype: torch.dtype, device:
     return _mask.up_to(kv_len)
 
 
+_compiled_flex_attention = None  # made at the first attention on a GPU
+
+
+def compiled_flex_attention():
+    """`flex_attention` compiled on its own, made once (its compiled kernels are cached by shape)."""
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        # dynamic shapes by default: the key length grows by a pack's length at each TTT step, and after
+        # the first new length one kernel serves them all (no recompilation per step, no cache limit hit)
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention
+
+
+def flex_attention_function():
+    """The FlexAttention to call: the compiled one, or the plain one inside a forward being compiled
+    (which compiles it with the rest, rather than nesting one compiled function in another's trace)."""
+    return flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: BlockMask, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """speculators' attention: FlexAttention where it has a backward, dense SDPA on CPU.
-    Shapes as in transformers: query [B, H, Q, D], output [B, Q, H, D]."""
+    """speculators' attention: compiled FlexAttention where it has a backward, dense SDPA on CPU.
+    Shapes as in transformers: query [B, H, Q, D], output [B, Q, H, D]; as the library's
+    `flex_attention_forward` but for the function called."""
     if query.device.type != "cpu":
-        return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        out = flex_attention_function()(query.contiguous(), key.contiguous(), value.contiguous(),
+                                        block_mask=attention_mask, enable_gqa=query.shape[1] != key.shape[1],
+                                        scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     mask = additive_mask(attention_mask.mask_mod, query.shape[-2], key.shape[-2], query.dtype, query.device)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
