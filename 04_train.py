@@ -116,7 +116,8 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
     resolve_report_to(settings.report_to, say=lambda *_: None)  # a tracker not installed is refused here, not late
     device = torch.device(default_device(None if distributed else args.device))  # torchrun: one GPU per rank
     patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile,
-                loss=settings.loss, target_temperature=settings.target_temperature)
+                loss=settings.loss, target_temperature=settings.target_temperature,
+                activation_checkpointing=settings.activation_checkpointing)
     output = Path(args.output or args.run_dir)
     data_dir, vocab_dir = stage_dir(args, "hidden_states", args.data), stage_dir(args, "vocab", args.vocab)
 

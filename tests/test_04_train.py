@@ -30,8 +30,10 @@ from helpers import (
 )
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch.utils.checkpoint import checkpoint
 
 from common.defaults import REPO_ROOT
+from common.draft import forward as draft_forward
 from common.draft import patch
 from common.draft.model import (
     KIMI_CONFIG,
@@ -308,6 +310,28 @@ def test_trains_on_the_flat_target(tmp_path, flat_target, capsys):
     assert config["transformer_layer_config"]["rope_theta"] == 10000.0  # the flat target's own
     assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
     assert load_draft(tmp_path / "out" / "draft").lm_head.weight.shape == (200, 64)
+
+
+def test_activation_checkpointing_trains_the_same_draft(tmp_path, flat_target, monkeypatch):
+    """--activation-checkpointing recomputes each TTT step in the backward pass: a 128-token pack is one
+    loss tile per step, so on a CPU every step's metrics and the exported draft are the plain run's bits
+    (tests/common/draft/test_forward.py)."""
+    checkpointed = []  # the regions the checkpointed forward ran under torch's checkpoint
+    monkeypatch.setattr(draft_forward, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k))
+    write_hidden_states(tmp_path / "hs", flat_target, num_samples=12)
+    write_vocab_folder(tmp_path / "vocab", load_target_info(flat_target, trust_remote_code=True).vocab_size)
+    runs = {}
+    for name, flags in (("plain", []), ("checkpointed", ["--activation-checkpointing"])):
+        train_in_process("--target", flat_target, "--draft-config", TINY_CONFIG, "--data", tmp_path / "hs",
+                         "--vocab", tmp_path / "vocab", "--output", tmp_path / name, "--epochs", "1",
+                         "--total-seq-len", "128", "--val-ratio", "0.25", "--report-to", "none", *flags)
+        runs[name] = ([{k: r[k] for k in ("train", "val") if k in r} for r in read_log(tmp_path / name / LOG)],
+                      load_file(str(tmp_path / name / "draft" / "model.safetensors")))
+    assert checkpointed and any("train" in r for r in runs["plain"][0]) and any("val" in r for r in runs["plain"][0])
+    assert runs["checkpointed"][0] == runs["plain"][0]
+    assert runs["checkpointed"][1].keys() == runs["plain"][1].keys()
+    for name, value in runs["plain"][1].items():
+        assert torch.equal(runs["checkpointed"][1][name], value), name
 
 
 def test_trains_on_fp8_data_through_the_library_loader(tmp_path, kimi_target, capsys):
