@@ -10,8 +10,9 @@ Why, and at what cost:
 - Checkpoint granularity: one TTT step. The library's backward keeps every activation of every step:
   each decoder layer's inputs, attention and MLP intermediates, and per step several [tokens x
   vocabulary] tensors (the draft's logits, their log-softmax, the verifier's softmax; on Kimi-K2.5's
-  draft, 8,192 tokens x 32,000 ids x 4 bytes = 1 GB each). Here each step's body (embedding lookup,
-  concat, decoder layers, final norm) runs under `torch.utils.checkpoint` (non-reentrant), so the
+  draft, 8,192 tokens x 32,000 ids x 4 bytes = 1 GB each). Here each step's body (concat, decoder
+  layers, final norm; the frozen embedding's lookup stays outside, done once per forward when the
+  steps read the dataset's tokens) runs under `torch.utils.checkpoint` (non-reentrant), so the
   backward keeps only what the step reads and hands on: its input state, its tokens, the earlier
   steps' keys/values and its own new ones, its output state and normed state ([tokens x hidden]
   each). The step's body is recomputed once when the backward reaches it: about one extra forward of
@@ -109,7 +110,6 @@ def draft_forward(model: Eagle3DraftModel, hidden_states: torch.Tensor, input_id
     attention_mask = library_core.create_block_mask(mask_mod, B=None, H=None, Q_LEN=total_seq_len,
                                                     KV_LEN=total_seq_len, device=device)
     hidden_states = model.fc(hidden_states)
-    original_input_ids = input_ids.detach().clone()
     run = checkpointed if checkpointing and torch.is_grad_enabled() else called
 
     return_loss = verifier_last_hidden_states is not None
@@ -122,11 +122,18 @@ def draft_forward(model: Eagle3DraftModel, hidden_states: torch.Tensor, input_id
 
     past: list[torch.Tensor] = []  # every earlier step's keys and values (see StepCache)
     draft_tokens = []
+    dataset_embeds = dataset_embeddings(model, input_ids) if use_off_policy_tokens else None
     for ttt_step in range(ttt_steps):
         cache_position = torch.arange(ttt_step * total_seq_len, (ttt_step + 1) * total_seq_len,
                                       dtype=torch.long, device=device)
+        if dataset_embeds is not None:
+            input_embeds = shifted(dataset_embeds, ttt_step)
+        else:
+            with torch.no_grad():
+                input_embeds = model.embed_tokens(input_ids)  # frozen
         step = partial(decoder_step, model, attention_mask, layer_kwargs)
-        hidden_states, normed, *new_past = run(step, input_ids, hidden_states, position_ids, cache_position, *past)
+        hidden_states, normed, *new_past = run(step, input_embeds, hidden_states, position_ids, cache_position,
+                                               *past)
         past += new_past
         if return_loss:
             ids, s_loss, verifier_ids = scored_step(model, draft_loss, run, normed, ttt_step, verifier_last_hidden_states,
@@ -141,10 +148,9 @@ def draft_forward(model: Eagle3DraftModel, hidden_states: torch.Tensor, input_id
         else:
             ids = draft_ids(model, normed)
         draft_tokens.append(ids.detach().clone())
-        input_ids = ids + model.d2t[ids]  # draft ids to the verifier's, which the embedding reads
-        if use_off_policy_tokens:  # the dataset's next tokens instead (the library's teacher forcing)
-            input_ids = torch.cat([original_input_ids[:, 1 + ttt_step:],
-                                   original_input_ids.new_zeros(1, 1 + ttt_step)], dim=-1)
+        # fed the draft's tokens: its ids mapped to the verifier's, which the embedding reads (fed the
+        # dataset's, the library's teacher forcing, the next step reads `shifted` embeddings instead)
+        input_ids = ids + model.d2t[ids]
         attention_mask = extend_mask_for_draft_tokens(attention_mask)
         position_ids = position_ids + 1
 
@@ -191,14 +197,30 @@ class StepCache:
         return [t for pair in self.new for t in pair]
 
 
-def decoder_step(model: Eagle3DraftModel, attention_mask, layer_kwargs: dict, input_ids: torch.Tensor,
+@torch.no_grad()
+def dataset_embeddings(model: Eagle3DraftModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """The embeddings of the dataset's tokens followed by the padding id 0 [1, T + 1, H], read once per
+    forward: fed the dataset's tokens, TTT step k reads the same tokens shifted k to the left and
+    padded with 0 (`shifted`). One lookup instead of one per step: under torchrun each lookup gathers
+    the whole frozen embedding (its own FSDP unit, common/train/distributed.py)."""
+    return model.embed_tokens(torch.cat([input_ids, input_ids.new_zeros(1, 1)], dim=-1))
+
+
+def shifted(embeds: torch.Tensor, ttt_step: int) -> torch.Tensor:
+    """The embeddings of the tokens TTT step `ttt_step` reads when fed the dataset's: the library's
+    `cat([ids[:, ttt_step:], zeros(1, ttt_step)])` looked up, row for row (a lookup copies rows)."""
+    total = embeds.shape[1] - 1
+    pad = embeds[:, total:].expand(1, ttt_step, embeds.shape[2])
+    return torch.cat([embeds[:, ttt_step:total], pad], dim=1)
+
+
+def decoder_step(model: Eagle3DraftModel, attention_mask, layer_kwargs: dict, input_embeds: torch.Tensor,
                  hidden_states: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
                  *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The body of one TTT step, up to the final norm: (state handed to the next step, normed state,
-    this step's keys and values per layer). Modules are called, not their weights read, so hooks on
-    them (EAGLE-3.1's, common/draft/eagle31.py) run."""
-    with torch.no_grad():
-        input_embeds = model.embed_tokens(input_ids)  # frozen
+    this step's keys and values per layer). The step's token embeddings are looked up outside it (the
+    embedding is frozen: nothing to recompute, and no second gather of it under FSDP). Modules are
+    called, not their weights read, so hooks on them (EAGLE-3.1's, common/draft/eagle31.py) run."""
     hidden_states = torch.cat([input_embeds, hidden_states], dim=-1)
     position_embeddings = model.rotary_emb(hidden_states, position_ids)
     cache = StepCache(past, len(model.layers))

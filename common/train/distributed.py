@@ -23,7 +23,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 # The library's policy (speculators.train.utils.apply_fully_sharded): bf16 compute, fp32 reductions.
 MIXED_PRECISION = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-FROZEN_UNITS = ("embed_tokens", "verifier_lm_head")  # the target's weights the draft reads, never trained
+# The target's weights the draft reads, never trained, as FSDP units of their own, and whether each is
+# resharded after every call (see shard_draft).
+FROZEN_UNITS = {"embed_tokens": True, "verifier_lm_head": False}
 
 
 def under_torchrun() -> bool:
@@ -48,14 +50,18 @@ def shard_draft(model: Eagle3DraftModel, device: torch.device) -> None:
     draft's own initial weights loaded back from rank 0: a torchrun run starts where a
     single-process one does.
 
-    The frozen embedding and verifier lm_head are units of their own, resharded after each call. In
-    the root's unit they would stay gathered through forward and backward on every rank (FSDP keeps
-    the root unsharded after forward): Kimi-K2.5's 163,840 x 7,168 embedding alone is 2.3 GB in
-    bf16 on each of 8 ranks. As their own units each rank keeps 1/world of their weights and holds
-    them whole only while they run, under no_grad (no gradient: the backward never gathers them)."""
+    The frozen embedding and verifier lm_head are units of their own. In the root's unit they would
+    stay gathered through forward and backward on every rank (FSDP keeps the root unsharded after
+    forward): Kimi-K2.5's 163,840 x 7,168 embedding alone is 2.3 GB in bf16 on each of 8 ranks. As
+    their own units each rank keeps 1/world of their weights at rest. The embedding is resharded after
+    each lookup (the checkpointed forward looks up once per step, or once per forward when fed the
+    dataset's tokens: common/draft/forward.py). The verifier lm_head (the draft vocabulary's rows only,
+    32,000 x 7,168: 0.46 GB in bf16) stays gathered from its first call to the end of the backward, where
+    FSDP reshards every unit: the checkpointed forward reads it once per loss tile and again when the
+    backward recomputes the tile, which would otherwise be one all-gather per tile and pass."""
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for name in FROZEN_UNITS:
-        fully_shard(getattr(model, name), mp_policy=MIXED_PRECISION, reshard_after_forward=True)
+    for name, reshard in FROZEN_UNITS.items():
+        fully_shard(getattr(model, name), mp_policy=MIXED_PRECISION, reshard_after_forward=reshard)
     apply_fully_sharded(model)
     for layer in model.layers:
         layer.to_empty(device=device)

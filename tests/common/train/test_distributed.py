@@ -65,7 +65,7 @@ from common.train.distributed import FROZEN_UNITS, setup_distributed, shard_draf
 from common.vocab import build_maps
 
 _, world, rank, _ = setup_distributed()
-patch.apply(trust_remote_code=True, compile_forward=False)
+patch.apply(trust_remote_code=True, compile_forward=False, activation_checkpointing=sys.argv[2] == 'on')
 info = load_target_info(sys.argv[1], trust_remote_code=True)
 counts = torch.zeros(info.vocab_size, dtype=torch.long)
 counts[:1000] = torch.arange(1000, 0, -1)
@@ -92,7 +92,8 @@ for name in FROZEN_UNITS:
     assert local.shape[0] == -(-whole[name].shape[0] // world), (name, local.shape)
     assert torch.equal(weight.full_tensor(), whole[name]), name
     assert weight.grad is None, name
-assert seen and all(all(step) for step in seen), seen
+# the embedding sharded at every step; the verifier lm_head gathered from step 1 on (read at step 0 at the latest)
+assert len(seen) > 1 and all(embed for embed, _ in seen) and not any(head for _, head in seen[1:]), seen
 assert model.fc.weight.grad is not None
 print(f"rank {rank} ok {float(loss):.6f}")
 teardown_distributed()
@@ -100,14 +101,18 @@ teardown_distributed()
 
 
 def test_frozen_weights_are_sharded_and_held_whole_only_while_they_run(flat_target, tmp_path):
-    """Two gloo ranks: during the forward (after their calls) and after the backward, the embedding
-    and verifier lm_head are sharded (each rank half their rows, together the target's weights, no
-    gradient): units of their own, not the root's, which FSDP keeps gathered through the step."""
+    """Two gloo ranks: the embedding and verifier lm_head are FSDP units of their own, not the root's,
+    which FSDP keeps gathered through the step. During the forward the embedding is sharded again after
+    its lookups, the verifier lm_head stays gathered once read (its loss tiles read it again); after the
+    backward both are sharded (each rank half their rows, together the target's weights, no gradient).
+    The same with the checkpointed forward, whose loss is the library forward's."""
     script = tmp_path / "shard.py"
     script.write_text(SHARD_SCRIPT)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(flat_target)], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[3])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    losses = {line.split()[3] for line in run.stdout.splitlines() if " ok " in line}
-    assert len(losses) == 1, run.stdout  # both ranks computed the same loss
+    losses = {}
+    for checkpointing in ("off", "on"):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script), str(flat_target), checkpointing], capture_output=True, text=True,
+                             timeout=300, cwd=Path(__file__).resolve().parents[3])
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        losses[checkpointing] = {line.split()[3] for line in run.stdout.splitlines() if " ok " in line}
+    assert len(losses["off"]) == 1 and losses["on"] == losses["off"], losses  # every rank, either forward
