@@ -4,7 +4,8 @@ and the one-line error exit of the command-line contract.
 Every script run with no arguments works on the built-in default: the Kimi-style miniature
 target (generated on first use into `.cache/targets/`), the shipped demo conversations and the
 run folder `runs/default/`. Each stage finds the previous stage's output under `--run-dir`;
-every path stays overridable by its own flag.
+every path stays overridable by its own flag. `--target smollm2` names the built-in real target
+(SmolLM2-135M-Instruct, built once from its wheel into `.cache/targets/`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.defaults import DEFAULT_RUN_DIR, DEFAULT_TARGET_KIND, REPO_ROOT, cached_target_path
+from common.defaults import (
+    DEFAULT_RUN_DIR,
+    DEFAULT_TARGET_KIND,
+    REAL_TARGETS,
+    REPO_ROOT,
+    cached_target_path,
+    real_target_path,
+)
 from common.errors import PipelineError
 
 STAGES = ("prepared", "hidden_states", "vocab", "checkpoints", "draft", "regenerated")  # RUN_DIR/<stage>
@@ -30,7 +38,8 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
                        help="folder holding every stage's output (default: %(default)s)")
     group.add_argument("--target", type=Path, default=None,
-                       help="target model folder (default: the built-in Kimi-style miniature target)")
+                       help=f"target model folder, or a built-in target's name ({', '.join(REAL_TARGETS)}: built "
+                            "once into .cache/targets/) (default: the built-in Kimi-style miniature target)")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="allow the target's own config/tokenizer code (needed for Kimi-K2.5)")
 
@@ -64,15 +73,29 @@ def stage_dir(args: argparse.Namespace, stage: str, override: Path | None = None
 
 def resolve_target(args: argparse.Namespace) -> tuple[Path, bool]:
     """(target folder, trust_remote_code). The built-in default target is the project's own
-    code, so remote code is trusted for it without the flag."""
+    code, so remote code is trusted for it without the flag. A `--target` that names a built-in real
+    target (REAL_TARGETS: `smollm2`) and no existing path is that target's cached folder (`./smollm2`
+    names a folder)."""
     if args.target is None:
         return builtin_target(), True
+    name = str(args.target)
+    if name in REAL_TARGETS and not Path(name).exists():
+        return builtin_target(name), bool(args.trust_remote_code)
     return Path(args.target), bool(args.trust_remote_code)
 
 
 def builtin_target(kind: str = DEFAULT_TARGET_KIND) -> Path:
-    """The cached built-in miniature target, built on first use by the fixture program in its own
-    process (so no stage imports the miniatures' LM trainer; its progress goes to this terminal)."""
+    """The cached built-in target `kind` (a miniature, or a real target of REAL_TARGETS), built on first
+    use by its builder in its own process (so no stage imports the miniatures' LM trainer or the GGUF
+    reader; its progress goes to this terminal)."""
+    if kind in REAL_TARGETS:
+        path, module = real_target_path(kind), REAL_TARGETS[kind]
+        if not (path / "config.json").exists():
+            print(f"building the built-in {kind} target into {path} from its wheel (once; about a minute, "
+                  f"python -m {module})", file=sys.stderr)
+            if subprocess.run([sys.executable, "-m", module], cwd=REPO_ROOT).returncode != 0:
+                raise PipelineError(f"building the built-in {kind} target failed (python -m {module})")
+        return path
     path = cached_target_path(kind)
     if not (path / "config.json").exists():
         print(f"building the built-in {kind} miniature target into {path} (once; ~12 minutes on 2 CPU cores)",

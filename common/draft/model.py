@@ -138,7 +138,7 @@ def check_draft_fits(shape: DraftShape, source: Path, info: TargetInfo, d2t_size
         raise PipelineError(f"draft config {source} has hidden_size {shape.hidden_size}, but target {info.path} "
                             f"has {info.hidden_size} (the draft works in the target's hidden space; "
                             "configs/draft_tiny.json fits the miniature targets, "
-                            "configs/draft_kimi_k25.json Kimi-K2.5)")
+                            "configs/draft_smollm2.json --target smollm2, configs/draft_kimi_k25.json Kimi-K2.5)")
     if shape.draft_vocab_size is not None and shape.draft_vocab_size != d2t_size:
         raise PipelineError(f"draft config {source} has draft_vocab_size {shape.draft_vocab_size}, but "
                             f"{vocab_dir}/d2t.pt maps {d2t_size} tokens (re-run 03_build_vocab_map.py "
