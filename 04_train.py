@@ -37,10 +37,9 @@ from common.cli import resolve_target, run_main, stage_dir, stage_parser
 from common.draft import patch
 from common.draft.eagle31 import norms_of
 from common.draft.model import (
-    KIMI_CONFIG,
-    TINY_CONFIG,
     build_draft,
     check_draft_fits,
+    default_config,
     read_config_file,
     speculator_config,
 )
@@ -73,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model = parser.add_argument_group("model")
     model.add_argument("--draft-config", type=Path,
                        help="draft config file (default: configs/draft_tiny.json for the built-in target, "
-                            "configs/draft_kimi_k25.json otherwise)")
+                            "configs/draft_smollm2.json for --target smollm2, configs/draft_kimi_k25.json otherwise)")
     training = parser.add_argument_group("training (override the config file)")
     training.add_argument("--preset", type=Path, default=None,
                           help="run preset of configs/presets/ (10, 1000 or 500K samples): its training values "
@@ -108,7 +107,7 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
 
     # 1. settings: the draft config file, overridden by flags
     target, trust_remote_code = resolve_target(args)
-    config_file = read_config_file(args.draft_config or (TINY_CONFIG if args.target is None else KIMI_CONFIG))
+    config_file = read_config_file(args.draft_config or default_config(args.target))
     settings, overrides = TrainSettings.resolve(config_file, {k: getattr(args, k) for k in TRAINING_FLAGS},
                                                 args.preset)
     for line in overrides:

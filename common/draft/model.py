@@ -48,6 +48,8 @@ from common.target.config import TargetInfo
 
 TINY_CONFIG = CONFIG_DIR / "draft_tiny.json"
 KIMI_CONFIG = CONFIG_DIR / "draft_kimi_k25.json"
+# The draft config of each built-in real target (common.defaults.REAL_TARGETS), by its --target name.
+REAL_TARGET_CONFIGS = {"smollm2": CONFIG_DIR / "draft_smollm2.json"}
 CONFIG_SECTIONS = ("comment", "model", "training")
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_DTYPE = torch.bfloat16
@@ -96,6 +98,14 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     if typing.get_origin(annotation) is list:  # list[str]: a list of such values
         return isinstance(value, list) and all(_type_ok(v, typing.get_args(annotation)[0]) for v in value)
     return isinstance(value, annotation)
+
+
+def default_config(target: str | Path | None) -> Path:
+    """The draft config 04 uses without --draft-config: the tiny one for the built-in miniature (no
+    --target), the built-in real target's own (`--target smollm2`), Kimi-K2.5's for any other folder."""
+    if target is None:
+        return TINY_CONFIG
+    return REAL_TARGET_CONFIGS.get(str(target), KIMI_CONFIG)
 
 
 def checked_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from dataclasses import fields, replace
 
 import pytest
 
-from common.defaults import REPO_ROOT
-from common.draft.model import KIMI_CONFIG, TINY_CONFIG, read_config_file, speculator_config
+from common.defaults import REAL_TARGETS, REPO_ROOT
+from common.draft.model import KIMI_CONFIG, TINY_CONFIG, default_config, read_config_file, speculator_config
 from common.errors import PipelineError
 from common.target.config import load_target_info
 from common.train.settings import TrainSettings, flag_specs
@@ -33,6 +33,15 @@ def test_kimi_config_has_the_published_shape():
     shape = read_config_file(KIMI_CONFIG).model
     assert (shape.hidden_size, shape.num_attention_heads, shape.head_dim) == (7168, 64, 128)
     assert shape.intermediate_size == 18432 and shape.draft_vocab_size == 32000 and shape.num_hidden_layers == 1
+
+
+def test_04_picks_the_config_of_the_target_it_is_given(tmp_path):
+    """No --draft-config: the tiny draft for the built-in miniature, each built-in real target's own
+    (a config file for every name of REAL_TARGETS), Kimi-K2.5's for a folder."""
+    assert default_config(None) == TINY_CONFIG
+    for name in REAL_TARGETS:
+        assert default_config(name) == REPO_ROOT / "configs" / f"draft_{name}.json" and default_config(name).is_file()
+    assert default_config(tmp_path / "Kimi-K2.5") == KIMI_CONFIG
 
 
 @pytest.mark.parametrize("training, message", [
