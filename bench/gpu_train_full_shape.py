@@ -64,27 +64,30 @@ STANDIN_CONFIG = {
 }
 
 
-def write_standin_target(folder: Path, hidden: int, device: torch.device) -> Path:
-    """config.json plus model.safetensors holding only embed_tokens and lm_head (bf16)."""
+def write_standin_target(folder: Path, hidden: int, device: torch.device, vocab: int = KIMI_VOCAB_SIZE) -> Path:
+    """config.json plus model.safetensors holding only embed_tokens and lm_head (bf16), of `vocab` rows
+    (Kimi-K2.5's 163,840 unless a scaled shape asks for fewer)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**STANDIN_CONFIG, "hidden_size": hidden}))
+    (folder / "config.json").write_text(json.dumps({**STANDIN_CONFIG, "hidden_size": hidden, "vocab_size": vocab,
+                                                    "pad_token_id": vocab - 1}))
     g = torch.Generator(device=device).manual_seed(0)
-    tensors = {name: (torch.randn(KIMI_VOCAB_SIZE, hidden, generator=g, device=device) * 0.02).bfloat16().cpu()
+    tensors = {name: (torch.randn(vocab, hidden, generator=g, device=device) * 0.02).bfloat16().cpu()
                for name in ("model.embed_tokens.weight", "lm_head.weight")}
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
 
 
-def synthetic_batches(steps: int, seq_len: int, hidden: int) -> list[dict]:
+def synthetic_batches(steps: int, seq_len: int, hidden: int, vocab: int = 150_000) -> list[dict]:
     """Collated batches as 04's loader makes them: [1, seq_len, ...], packed samples of up to
-    `SAMPLES_PER_SEQ_TOKENS` tokens, the states in fp32 as the loader hands them over."""
+    `SAMPLES_PER_SEQ_TOKENS` tokens, the states in fp32 as the loader hands them over; token ids
+    below `vocab`."""
     g = torch.Generator().manual_seed(0)
     n = max(1, seq_len // SAMPLES_PER_SEQ_TOKENS)
     lengths = torch.full((n,), seq_len // n, dtype=torch.long)
     lengths[-1] += seq_len - int(lengths.sum())
     positions = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
     return [{"hidden_states": torch.randn(1, seq_len, 3 * hidden, generator=g),
-             "input_ids": torch.randint(0, 150000, (1, seq_len), generator=g),
+             "input_ids": torch.randint(0, vocab, (1, seq_len), generator=g),
              "verifier_last_hidden_states": torch.randn(1, seq_len, hidden, generator=g),
              "loss_mask": torch.ones(1, seq_len, dtype=torch.long), "lengths": lengths,
              "position_ids": positions} for _ in range(steps)]
