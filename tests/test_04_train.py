@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    ONE_THREAD,
     kill_after_step_checkpoint,
     run_in_process,
     run_script,
@@ -425,6 +426,61 @@ def test_resume_mid_epoch_after_sigkill_equals_the_uninterrupted_run(small_data,
     assert [s for s, _ in curves[whole]["train/loss"]] == list(range(1, 65))
     kept = checkpoints.numbered(small_data / whole / "checkpoints" / "steps")
     assert kept == [55, 60]  # the last two of every 5th step, the epoch ends (32, 64) excepted
+
+
+# Runs 04 (argv[2:]) with a SIGKILL before the trainer's batch number argv[1] (0-based, counted from
+# the start of the run): the kill lands between two batches of one accumulation group, where no
+# signal sent from outside can be aimed.
+KILL_INSIDE_GROUP = """
+import os, runpy, signal, sys
+from common.train.trainer import ProjectTrainer
+
+kill_at, trained, train_step = int(sys.argv[1]), [], ProjectTrainer.train_step
+
+def killing_train_step(self, micro, epoch):
+    if len(trained) == kill_at:
+        print(f"killed before batch {micro.index + 1} of a group of {micro.count}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    trained.append(micro.index)
+    train_step(self, micro, epoch)
+
+ProjectTrainer.train_step = killing_train_step
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_grad_accum_steps_and_a_kill_inside_a_group_resume_to_the_uninterrupted_run(small_data, flat_target,
+                                                                                    tmp_path):
+    """--grad-accum 2 on 13 packed batches an epoch (--total-seq-len 256): ceil(13 / 2) = 7 optimizer
+    steps an epoch in the log, the last on the one batch left. SIGKILL between the two batches of a
+    group (after step 4's checkpoint, one batch of group 5 accumulated); --resume redoes that group
+    from its first batch: bitwise the uninterrupted run's weights, and its log."""
+    extra = ("--epochs", "2", "--grad-accum", "2", "--total-seq-len", "256", "--save-every", "2", "--report-to", "none")
+    settings, _ = TrainSettings.resolve(read_config_file(TINY_CONFIG), {"total_seq_len": 256, "val_ratio": 0.2})
+    data = load_hidden_states(small_data / "hs")
+    batches = len(make_loader(data, split_data(data, settings)[0], settings, 1, 0, train=True, pin_memory=False))
+    assert batches == 13  # odd: each epoch ends with a group of one
+    run_script(SCRIPT, *small_args(small_data, flat_target, "accum-whole", *extra), env=ONE_THREAD)
+    train = [r for r in read_log(small_data / "accum-whole" / LOG) if "train" in r]
+    assert [r["step"] for r in train] == list(range(14))
+    assert [sum(1 for r in train if r["epoch"] == e) for e in range(2)] == [7, 7]
+    assert all(r["tokens"] < min(t["tokens"] for t in train[:6]) for r in (train[6], train[13]))  # one pack
+
+    script = tmp_path / "kill_inside_group.py"
+    script.write_text(KILL_INSIDE_GROUP)
+    killed = subprocess.run([sys.executable, str(script), "9", str(REPO_ROOT / SCRIPT),
+                             *map(str, small_args(small_data, flat_target, "accum-killed", *extra))],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **ONE_THREAD})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "killed before batch 2 of a group of 2" in killed.stdout
+    point = checkpoints.latest(small_data / "accum-killed" / "checkpoints")
+    assert (point.epoch, point.skip_batches, point.position.global_step) == (0, 8, 4)
+    resumed = run_script(SCRIPT, *small_args(small_data, flat_target, "accum-killed", *extra, "--resume"),
+                         env=ONE_THREAD).stdout
+    assert "(step 4): epoch 1 of 2, after batch 8" in resumed
+    assert_same_training(small_data, "accum-whole", "accum-killed", last_epoch=1)
 
 
 @pytest.mark.slow

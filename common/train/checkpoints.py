@@ -7,8 +7,8 @@ to bf16 changes the training (AdamW's step count, a float tensor, even stops bei
 
     model.safetensors, optimizer_state_dict.pt   the library's files, written in fp32
     scheduler_state_dict.pt                      the library's file
-    trainer_state.json                           where the run stood (epoch, batches done, step)
-                                                 and the training settings (`check_same_settings`)
+    trainer_state.json                           where the run stood (epoch, batches done, optimizer
+                                                 step) and the training settings (`check_same_settings`)
     rng_state_<rank>.pt                          each rank's torch / CUDA / Python / NumPy RNG
 
 Epoch checkpoints stay where the library puts them (`checkpoints/<epoch>/`); step checkpoints
@@ -16,6 +16,10 @@ Epoch checkpoints stay where the library puts them (`checkpoints/<epoch>/`); ste
 so the library never takes it for an epoch. The last `KEEP_STEP_CHECKPOINTS` step checkpoints
 are kept, every epoch checkpoint is. `latest` finds where to continue: the checkpoint with the
 highest global step (an epoch checkpoint wins a tie, its validation pass is done).
+
+With `--grad-accum N` a step is N packed batches: a step checkpoint is written only after a step,
+so it never holds gradients half accumulated; its `batches_done` counts batches (a multiple of N),
+its `global_step` optimizer steps. A run killed inside a group redoes the group from its first batch.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class Position:
     """Where training stood when a checkpoint was written."""
 
     epoch: int  # the epoch being trained (0-based)
-    batches_done: int  # batches of that epoch already trained (all of them in an epoch checkpoint)
+    batches_done: int  # packed batches of that epoch already trained (all of them in an epoch checkpoint;
+    #                    a multiple of grad_accum in a step checkpoint: whole accumulation groups)
     global_step: int  # optimizer steps taken since the start of the run (the next step's number)
     epoch_complete: bool  # an epoch checkpoint: training and validation of `epoch` are done
     batches_per_epoch: int = 0  # per rank; with `world_size`, what a mid-epoch position means
@@ -98,6 +103,18 @@ def check_resumable(point: ResumePoint, batches_per_epoch: int, world_size: int)
                         f"epoch on {position.world_size} rank(s), this run has {batches_per_epoch:,} on {world_size}; "
                         "resume with the same data, --total-seq-len and rank count, or from the last epoch "
                         "checkpoint (move checkpoints/steps aside)")
+
+
+def check_accumulation(point: ResumePoint, grad_accum: int) -> None:
+    """The epoch's accumulation groups start at its first batch, and a step checkpoint ends one, so
+    its batches done are a multiple of `grad_accum`. A position that is not (a checkpoint recording no
+    settings, taken without accumulation, resumed with `--grad-accum`) would group the rest of the
+    epoch otherwise than any uninterrupted run: refused."""
+    if point.skip_batches % grad_accum == 0:
+        return
+    raise PipelineError(f"step checkpoint {point.folder} was taken after batch {point.skip_batches:,} of its epoch, "
+                        f"inside a group of --grad-accum {grad_accum}; resume with the --grad-accum it was trained "
+                        "with, or from the last epoch checkpoint (move checkpoints/steps aside)")
 
 
 def check_readable(folder: Path) -> None:

@@ -5,22 +5,26 @@ The subclass writes checkpoints a resumed run continues from exactly (fp32 state
 position; atomic; step checkpoints; mid-epoch resume: see common/train/checkpoints.py), builds the
 optimizer of `--optimizer` (common/train/optimizers.py) where the library builds its AdamW, runs the
 draft's forward under bf16 autocast where `--precision` asks for it, feeds the TTT steps the
-dataset's tokens or the draft's (`--ttt-inputs`), times each epoch and reports at its end to the
-metrics log (common/train/metrics.py). The data path is common/hidden_states/loader.py.
+dataset's tokens or the draft's (`--ttt-inputs`), accumulates the gradients of `--grad-accum`
+packed batches into each optimizer step, times each epoch and reports at its end to the metrics log
+(common/train/metrics.py). The data path is common/hidden_states/loader.py.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.train.trainer import Trainer, TrainerConfig
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from common.atomic import TMP_PREFIX, remove_stale_temporaries
@@ -41,6 +45,60 @@ DRAFT = "draft"
 RUN_OUTPUTS = (CHECKPOINTS, DRAFT, LOG_FILE, PLOT_FILE, REPORT_FILE, TENSORBOARD_TRAIN)
 METRICS = logging.getLogger(METRICS_LOGGER)  # the library's metrics logger, read by MetricsLog
 STAGING = TMP_PREFIX + "checkpoint"  # not an int: the library's checkpointer never takes it for an epoch
+
+
+@dataclass
+class MicroBatch:
+    """A packed batch and its place in its accumulation group: the `count` batches (`--grad-accum`,
+    fewer for an epoch's last group) whose gradients make one optimizer step."""
+
+    batch: dict
+    index: int  # 0-based, within the group
+    count: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def group_place(done: int, total: int, size: int) -> tuple[int, int]:
+    """(index in its group, the group's size) of batch `done` (0-based) of an epoch of `total`
+    batches grouped by `size` from the epoch's start; the last group holds what is left."""
+    index = done % size
+    return index, min(size, total - (done - index))
+
+
+def optimizer_steps(batches: int, grad_accum: int) -> int:
+    """Optimizer steps of an epoch of `batches` packed batches: one per group of `grad_accum`, and
+    one for a shorter last group."""
+    return math.ceil(batches / grad_accum)
+
+
+@dataclass
+class Accumulated:
+    """The metrics and tokens of an accumulation group's batches so far."""
+
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: int | None = 0
+    count: int = 0
+
+    def add(self, metrics: dict[str, torch.Tensor], batch: dict) -> None:
+        for key, value in metrics.items():
+            value = value.detach()  # the sum must not hold the batch's graph
+            self.metrics[key] = self.metrics[key] + value if key in self.metrics else value
+        tokens = int(batch["lengths"].sum()) if "lengths" in batch else None
+        self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
+        self.count += 1
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """Each metric averaged over the group's batches (a group of one: its tensors unchanged)."""
+        if self.count == 1:
+            return self.metrics
+        return {key: value / self.count for key, value in self.metrics.items()}
 
 
 def prepare_draft(model: Eagle3DraftModel, settings: TrainSettings) -> None:
@@ -117,8 +175,9 @@ class ProjectTrainer(Trainer):
     """speculators' Trainer with checkpoints from which a resumed run continues exactly as an
     uninterrupted one would (fp32 state, RNG, data position: see common/train/checkpoints.py), each
     written atomically; a step checkpoint every `save_every` optimizer steps; a resume in the
-    middle of an epoch; and each epoch's start and end (after its checkpoint) reported to
-    `progress` (rank 0 only)."""
+    middle of an epoch; gradient accumulation over `grad_accum` packed batches per optimizer step
+    (`train_step`); and each epoch's start and end (after its checkpoint) reported to `progress`
+    (rank 0 only). Steps, the schedule, `save_every` and `global_step` count optimizer steps."""
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig, settings: TrainSettings,
                  train_loader: DataLoader, val_loader: DataLoader | None, progress: MetricsLog | None,
@@ -126,7 +185,10 @@ class ProjectTrainer(Trainer):
                  tracker_state: dict | None = None) -> None:
         self.resume = resume  # read by setup_trainer, which the library's constructor calls
         self.settings = settings  # read by setup_optimizer, likewise
+        self.grad_accum = settings.grad_accum  # read by setup_trainer and setup_optimizer
         self.rank = dist.get_rank() if config.is_distributed else 0
+        if resume is not None:
+            checkpoints.check_accumulation(resume, self.grad_accum)
         # The library's own resume knows only epoch checkpoints: it is turned off and the resume
         # point is loaded below, through the library's checkpointer all the same.
         super().__init__(model, config._replace(resume_from_checkpoint=False), train_loader, val_loader)
@@ -135,7 +197,10 @@ class ProjectTrainer(Trainer):
         if resume is not None:
             self.load_resume_point(resume)
         self.progress = progress
+        if progress is not None:  # its bar counts optimizer steps, not the loader's batches
+            progress.steps_per_epoch = self.steps_per_epoch
         self.save_every = settings.save_every
+        self.accumulated = Accumulated()  # the group being accumulated
         self.track_every = settings.log_every if tracking else 0  # steps between the trackers' extra scalars
         self.tracker_state = tracker_state or {}  # kept in each checkpoint, so --resume continues the same runs
         self.train_seconds = 0.0
@@ -149,7 +214,12 @@ class ProjectTrainer(Trainer):
         if point is not None and point.position is not None:
             self.global_step = point.position.global_step
         else:  # an epoch checkpoint of an earlier version: whole epochs were trained
-            self.global_step = self.current_epoch * len(self.train_loader)
+            self.global_step = self.current_epoch * self.steps_per_epoch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch: the loader's batches in groups of `grad_accum`."""
+        return optimizer_steps(len(self.train_loader), self.grad_accum)
 
     def setup_model(self) -> None:
         """Single process: the library's. Under torchrun: `shard_draft` (the library's sharding,
@@ -163,7 +233,7 @@ class ProjectTrainer(Trainer):
         """The optimizer of `--optimizer` and the library's schedule (its own `setup_optimizer`
         builds AdamW; resuming is `load_resume_point`'s)."""
         self.opt = build_optimizer(self.model, self.settings)
-        self.scheduler = build_scheduler(self.opt, self.settings, len(self.train_loader))
+        self.scheduler = build_scheduler(self.opt, self.settings, self.steps_per_epoch)
 
     def load_resume_point(self, point: ResumePoint) -> None:
         """Weights, optimizer and scheduler of `point`, read by the library's checkpointer class
@@ -192,52 +262,75 @@ class ProjectTrainer(Trainer):
 
     def train_epoch(self, epoch: int) -> None:
         """The library's training epoch (its `train_epoch`: forward, backward, gradients clipped at
-        norm 1, optimizer and scheduler step, the metric record of each step), over `epoch_batches`.
-        Each record also holds the step's tokens and, every `log_every` steps where trackers listen
-        (`track_every`), the gradient norm, each group's learning rate, the peak memory and the wait
-        for states: read only then, as the norm's `.item()` waits for the GPU."""
+        norm 1, optimizer and scheduler step, the metric record of each step), over `epoch_batches`,
+        with `grad_accum` batches per step (`train_step`). Each record also holds the step's tokens
+        and, every `log_every` steps where trackers listen (`track_every`), the gradient norm, each
+        group's learning rate, the peak memory and the wait for states: read only then, as the
+        norm's `.item()` waits for the GPU."""
         skip = self.resume.skip_batches if self.resume is not None and self.resume.epoch == epoch else 0
         if self.progress is not None:
-            self.progress.epoch_start(epoch, skip)
+            self.progress.epoch_start(epoch, skip // self.grad_accum)  # a resumed step checkpoint ends a group
         start = time.perf_counter()
         self.model.train()
         sampler = self.train_loader.batch_sampler
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        for batch in self.epoch_batches(self.train_loader, epoch):
-            self.train_step(batch, epoch)
+        for micro in self.epoch_batches(self.train_loader, epoch):
+            self.train_step(micro, epoch)
         self.train_seconds = time.perf_counter() - start
         self.wait_seconds = getattr(sampler, "wait_seconds", None)  # online sources measure it
         if self.wait_seconds is not None:
             self.state_waits[epoch] = self.wait_seconds
 
-    def train_step(self, batch: dict, epoch: int) -> None:
-        """One optimizer step, as the library's loop takes it, and its metric record."""
+    def train_step(self, micro: MicroBatch, epoch: int) -> None:
+        """One packed batch: its forward and backward, its loss scaled by 1/count so the group's
+        gradients add up to those of the mean of its `count` losses (as FSDP averages the ranks'),
+        and after the group's last batch the optimizer step. A group of one is the library's step
+        exactly. An epoch whose batches `grad_accum` does not divide ends with a shorter group, its
+        losses scaled by 1/(its own count): every step takes the mean over the batches it saw.
+
+        Under FSDP the gradients of a group's earlier batches stay whole on each rank (accumulated in
+        fp32, FSDP's reduce dtype) and are reduce-scattered once, after its last batch: one exchange
+        per step instead of one per batch, for a whole gradient's memory held between them."""
+        batch = micro.batch
         device_batch = {k: v.to(self.local_rank, non_blocking=True) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()}
         _draft_tokens, loss, metrics = self.model(**device_batch, **self.config.train_call_kwargs)
-        self.opt.zero_grad()
-        loss.backward()
+        if micro.first:
+            self.opt.zero_grad()
+            self.accumulated = Accumulated()
+        if micro.count > 1 and isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(micro.last)
+        (loss / micro.count if micro.count > 1 else loss).backward()
+        self.accumulated.add(metrics, batch)
+        if micro.last:
+            self.optimizer_step(epoch)
+
+    def optimizer_step(self, epoch: int) -> None:
+        """Clip, step the optimizer and the schedule, and write the step's metric record: each metric
+        the mean over the group's batches (then over ranks), the tokens their sum."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         record = {"epoch": epoch, "lr": self.opt.param_groups[0]["lr"]}
         if self.scheduler is not None:
             self.scheduler.step()
+        metrics = self.accumulated.mean()
         if self.is_distributed:
             for value in metrics.values():
                 patch.AVERAGING_DIST.reduce(value, dst=0, op=dist.ReduceOp.AVG)
-        record = {"train": {k: v.item() for k, v in metrics.items()}, **record,
-                  "tokens": int(batch["lengths"].sum()) if "lengths" in batch else None}
+        record = {"train": {k: v.item() for k, v in metrics.items()}, **record, "tokens": self.accumulated.tokens}
         if self.track_every and (self.global_step + 1) % self.track_every == 0:
             record.update(step_extras(self.opt, grad_norm, self.train_loader.batch_sampler, self.local_rank))
         METRICS.info(record, extra={"step": self.global_step})
         self.global_step += 1
 
-    def epoch_batches(self, loader: DataLoader, epoch: int) -> Iterator[dict]:
-        """The epoch's batches, after those a resumed step checkpoint already trained, with a step
-        checkpoint every `save_every` steps. The library runs one whole step (forward, backward,
-        optimizer, scheduler, metric record, step count) between taking one batch and asking for
-        the next, so the state saved when it asks holds finished steps only."""
+    def epoch_batches(self, loader: DataLoader, epoch: int) -> Iterator[MicroBatch]:
+        """The epoch's batches, after those a resumed step checkpoint already trained, each with its
+        place in its accumulation group, and a step checkpoint every `save_every` optimizer steps.
+        The trainer finishes a batch (and, after a group's last, the whole optimizer step: optimizer,
+        scheduler, metric record, step count) before asking for the next, and a checkpoint is
+        written only then, after a group's last batch: the state saved holds finished steps only, no
+        gradient half accumulated, and its `batches_done` ends a group."""
         point, self.resume = self.resume, None
         skip = point.skip_batches if point is not None and point.epoch == epoch else 0
         loader.batch_sampler.skip = skip
@@ -249,9 +342,11 @@ class ProjectTrainer(Trainer):
             checkpoints.restore_rng(point.folder, self.rank)
         done, total = skip, len(loader)
         for batch in batches:
-            yield batch
+            index, count = group_place(done, total, self.grad_accum)
+            yield MicroBatch(batch, index, count)
             done += 1
-            if self.save_every and self.global_step % self.save_every == 0 and done < total:
+            step_done = index == count - 1
+            if step_done and self.save_every and self.global_step % self.save_every == 0 and done < total:
                 self.save_step_checkpoint(epoch, done)
 
     def save_checkpoint(self, epoch: int) -> None:

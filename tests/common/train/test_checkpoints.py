@@ -81,3 +81,17 @@ def test_rng_state_round_trip(tmp_path):
     assert checkpoints.restore_rng(tmp_path / "c", rank=0)
     assert (torch.equal(torch.rand(3), expected[0]), random.random(), np.random.rand()) == (True, *expected[1:])
     assert not checkpoints.restore_rng(tmp_path / "c", rank=1)
+
+
+def test_a_position_inside_an_accumulation_group_is_refused(tmp_path):
+    """A step checkpoint ends an accumulation group: its batches done are a multiple of --grad-accum
+    (an epoch checkpoint ends the epoch, whatever its last group)."""
+    folder = write_position(tmp_path / "steps" / "5", checkpoints.Position(0, 10, 5, False, 31, 1))
+    point = checkpoints.ResumePoint(folder, checkpoints.read_position(folder))
+    for grad_accum in (1, 2, 5):
+        checkpoints.check_accumulation(point, grad_accum)
+    with pytest.raises(PipelineError, match=r"step checkpoint .*5 was taken after batch 10 of its epoch, inside a "
+                                            r"group of --grad-accum 3"):
+        checkpoints.check_accumulation(point, 3)
+    end = write_position(tmp_path / "0", checkpoints.Position(0, 31, 11, True, 31, 1))
+    checkpoints.check_accumulation(checkpoints.ResumePoint(end, checkpoints.read_position(end)), 3)

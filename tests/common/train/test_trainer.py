@@ -1,18 +1,25 @@
 """common/train/trainer.py: the draft's starting point (initialisation, frozen lm_head), what
-the Trainer feeds the TTT steps in training and in validation, and the precision it computes in."""
+the Trainer feeds the TTT steps in training and in validation, the precision it computes in, and
+gradient accumulation (`--grad-accum`) against one step on the mean loss."""
 
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import packed_batch
 
-from common.train.optimizers import build_optimizer
+from common.train.metrics import METRICS_LOGGER
+from common.train.optimizers import build_optimizer, build_scheduler
 from common.train.settings import TrainSettings
-from common.train.trainer import autocast, prepare_draft, trainer_config
+from common.train.trainer import ProjectTrainer, autocast, group_place, optimizer_steps, prepare_draft, trainer_config
 
 
 def own_linears(model) -> list[torch.nn.Linear]:
@@ -96,3 +103,182 @@ def test_bf16_autocast_keeps_fp32_weights_and_gradients(tiny_draft):
     plain = copy.deepcopy(tiny_draft)
     autocast(plain, "cpu", None)  # fp32: the forward untouched
     assert "forward" not in vars(plain)
+
+
+# --- gradient accumulation ----------------------------------------------------------------------
+
+
+class Batches(list):
+    """Packed batches as the Trainer reads its loader: iterated, counted, and a sampler to skip by."""
+
+    def __init__(self, batches: list[dict]) -> None:
+        super().__init__(batches)
+        self.batch_sampler = SimpleNamespace(skip=0)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append({"step": record.step, **record.msg})
+
+
+def trainer_epoch(tiny_draft, settings: TrainSettings, batches: list[dict], folder: Path) -> tuple[torch.nn.Module,
+                                                                                                     list[dict]]:
+    """The draft after one ProjectTrainer epoch over `batches`, and the epoch's metric records."""
+    model = copy.deepcopy(tiny_draft)
+    trainer = ProjectTrainer(model, trainer_config(settings, folder, False, False, torch.device("cpu")), settings,
+                             Batches(batches), None, None)
+    logger, handler = logging.getLogger(METRICS_LOGGER), Records()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer.train_epoch(0)
+    finally:
+        logger.removeHandler(handler)
+    assert trainer.global_step == trainer.steps_per_epoch == optimizer_steps(len(batches), settings.grad_accum)
+    return model, handler.records
+
+
+def mean_loss_steps(tiny_draft, settings: TrainSettings, groups: list[list[dict]]) -> tuple[torch.nn.Module,
+                                                                                           list[dict]]:
+    """The reference: per group, one graph over its batches, backward of the mean of their losses,
+    clip, optimizer and schedule step (`len(groups)` steps an epoch); and each batch's metrics."""
+    model = copy.deepcopy(tiny_draft)
+    opt = build_optimizer(model, settings)
+    scheduler = build_scheduler(opt, settings, len(groups))
+    metrics = []
+    for group in groups:
+        outputs = [model(**batch, **settings.train_call_kwargs()) for batch in group]
+        metrics += [{k: v.item() for k, v in out[2].items()} for out in outputs]
+        opt.zero_grad()
+        (sum(out[1] for out in outputs) / len(group)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        scheduler.step()
+    return model, metrics
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_two_accumulated_batches_step_as_their_mean_loss(tiny_draft, tmp_path, optimizer):
+    """--grad-accum 2 over 2 batches: one optimizer step, the weights of one step on the mean of the
+    two losses computed in one graph (within float rounding: the gradients add up in another order)."""
+    settings = TrainSettings(optimizer=optimizer, lr=5e-3, epochs=1, grad_accum=2)
+    batches = [packed_batch(seed) for seed in range(2)]
+    model, records = trainer_epoch(tiny_draft, settings, batches, tmp_path)
+    reference, metrics = mean_loss_steps(tiny_draft, settings, [batches])
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5, msg=name)
+    assert not torch.equal(model.fc.weight, tiny_draft.fc.weight)
+    assert len(records) == 1 and records[0]["step"] == 0 and records[0]["tokens"] == 48  # the two batches' tokens
+    for key, value in records[0]["train"].items():
+        assert value == pytest.approx((metrics[0][key] + metrics[1][key]) / 2, rel=1e-5), key
+
+
+def test_an_epochs_last_group_steps_with_its_own_count(tiny_draft, tmp_path):
+    """--grad-accum 2 over 5 batches: 3 optimizer steps, the last on the one batch left (its loss
+    scaled by 1, not 1/2), each the step of its batches' mean loss; the schedule spans the 3 steps;
+    one record per step."""
+    settings = TrainSettings(optimizer="adamw", lr=5e-3, epochs=1, grad_accum=2)
+    batches = [packed_batch(seed) for seed in range(5)]
+    model, records = trainer_epoch(tiny_draft, settings, batches, tmp_path)
+    groups = [batches[0:2], batches[2:4], batches[4:]]
+    reference, metrics = mean_loss_steps(tiny_draft, settings, groups)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5, msg=name)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["lr"] for r in records] == pytest.approx([5e-3, 5e-3 * 2 / 3, 5e-3 / 3])  # linear to 0 over 3 steps
+    assert [r["tokens"] for r in records] == [48, 48, 24]
+    assert records[2]["train"] == pytest.approx(metrics[4], rel=1e-5)  # a group of one: its batch's metrics
+
+
+def test_one_batch_per_step_is_the_librarys_step(tiny_draft, tmp_path):
+    """--grad-accum 1 (the default): bitwise the library's loop, one step and one record per batch."""
+    settings = TrainSettings(lr=5e-3, epochs=1)
+    batches = [packed_batch(seed) for seed in range(3)]
+    model, records = trainer_epoch(tiny_draft, settings, batches, tmp_path)
+    reference, metrics = mean_loss_steps(tiny_draft, settings, [[b] for b in batches])
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs), name
+    assert [r["train"] for r in records] == metrics and [r["tokens"] for r in records] == [24] * 3
+
+
+def test_groups_start_at_the_epochs_first_batch():
+    assert [group_place(done, 7, 3) for done in range(7)] == [(0, 3), (1, 3), (2, 3), (0, 3), (1, 3), (2, 3), (0, 1)]
+    assert [group_place(done, 4, 1) for done in range(4)] == [(0, 1)] * 4
+    assert [optimizer_steps(n, 3) for n in (1, 3, 4, 7)] == [1, 1, 2, 3]
+
+
+ACCUMULATE_SCRIPT = '''
+import copy
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+import torch
+from torch.distributed.fsdp import FSDPModule
+from helpers import packed_batch
+from common.draft import patch
+from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
+from common.target.config import load_target_info
+from common.train.distributed import setup_distributed, teardown_distributed
+from common.train.settings import TrainSettings
+from common.train.trainer import ProjectTrainer, trainer_config
+from common.vocab import build_maps
+from test_trainer import Batches
+
+_, world, rank, _ = setup_distributed()
+patch.apply(trust_remote_code=True, compile_forward=False)
+info = load_target_info(sys.argv[1], trust_remote_code=True)
+counts = torch.zeros(info.vocab_size, dtype=torch.long)
+counts[:400] = torch.arange(400, 0, -1)
+d2t, t2d = build_maps(counts, 200)
+config = speculator_config(read_config_file(TINY_CONFIG).model, info, 200, info.default_layer_ids(), 3)
+torch.manual_seed(0)
+draft = build_draft(config, t2d, d2t)
+settings = TrainSettings(lr=5e-3, epochs=1, grad_accum=2, optimizer="adamw")
+batches = [packed_batch(10 * rank + i) for i in range(2)]  # each rank its own two
+syncs = []
+set_sync = FSDPModule.set_requires_gradient_sync
+
+def recorded(self, sync, **kwargs):
+    syncs.append(sync)
+    set_sync(self, sync, **kwargs)
+
+def trained(sync_every_batch: bool) -> dict:
+    FSDPModule.set_requires_gradient_sync = (lambda self, sync, **kwargs: None) if sync_every_batch else recorded
+    trainer = ProjectTrainer(copy.deepcopy(draft), trainer_config(settings, Path(sys.argv[2]), False, True,
+                                                                  torch.device("cpu")),
+                             settings, Batches(batches), None, None)
+    trainer.train_epoch(0)
+    assert trainer.global_step == 1
+    return {name: (p.full_tensor(), p.grad.full_tensor()) for name, p in trainer.model.named_parameters()
+            if p.grad is not None}
+
+accumulated, synced = trained(False), trained(True)
+assert syncs == [False, True], syncs  # the gradients reduce-scattered once, after the group's last batch
+assert accumulated.keys() == synced.keys() and "fc.weight" in accumulated
+for name, (weight, grad) in accumulated.items():
+    torch.testing.assert_close(grad, synced[name][1], rtol=1e-5, atol=1e-7, msg=name)  # the clipped mean gradient
+    torch.testing.assert_close(weight, synced[name][0], rtol=0, atol=1e-5, msg=name)
+assert not torch.equal(accumulated["fc.weight"][0], draft.fc.weight)
+print(f"rank {rank} ok")
+teardown_distributed()
+'''
+
+
+def test_under_fsdp_a_group_is_reduced_once_to_the_update_of_reducing_every_batch(flat_target, tmp_path):
+    """Two gloo ranks, --grad-accum 2: the gradients of a group's first batch stay whole on each rank
+    (`set_requires_gradient_sync(False)`) and the group's sum is reduce-scattered after its last; the
+    weights after the step are those of a run that reduce-scatters after every batch."""
+    script = tmp_path / "accumulate.py"
+    script.write_text(ACCUMULATE_SCRIPT)
+    tests = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(flat_target), str(tmp_path / "checkpoints")], capture_output=True, text=True,
+                         timeout=300, cwd=tests.parent,
+                         env={**os.environ, "OMP_NUM_THREADS": "1",
+                              "PYTHONPATH": os.pathsep.join(map(str, (tests.parent, Path(__file__).parent, tests)))})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count(" ok") == 2
