@@ -4,12 +4,24 @@ exact resume, and the library's schedule on both groups."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import packed_batch
 
-from common.train.optimizers import MuonWithAdamW, build_optimizer, build_scheduler, muon_parameters
+from common.defaults import REPO_ROOT
+from common.train.optimizers import (
+    MuonWithAdamW,
+    assign_owners,
+    build_optimizer,
+    build_scheduler,
+    muon_parameters,
+    ns_cost,
+)
 from common.train.settings import TrainSettings
 from common.train.trainer import prepare_draft
 
@@ -102,3 +114,111 @@ def test_muon_with_adamw_resumes_exactly(tiny_draft):
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert not torch.equal(whole.fc.weight, tiny_draft.fc.weight)  # it did train
+
+
+# --- Muon on FSDP2-sharded matrices, two gloo ranks ---------------------------------------------
+
+SHAPES = [(24, 16), (16, 40), (7, 5), (1, 6), (64, 8)]  # uneven row splits, and a matrix of fewer rows than ranks
+STEPS = 3
+
+
+def matrices() -> torch.nn.Module:
+    """Random matrices for Muon and a vector for AdamW, drawn from seed 0 (the same in every process)."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.w = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(*shape)) for shape in SHAPES])
+    module.norm = torch.nn.Parameter(torch.ones(8))
+    return module
+
+
+def muon_with_adamw(module: torch.nn.Module) -> MuonWithAdamW:
+    return MuonWithAdamW([(f"w.{i}", p) for i, p in enumerate(module.w)], [("norm", module.norm)], lr=0.01,
+                         muon_lr=0.02, muon_weight_decay=0.1)
+
+
+def gradients(step: int, module: torch.nn.Module) -> list[torch.Tensor]:
+    """The whole gradient of each parameter at `step` (the same in every process)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) for p in module.parameters()]
+
+
+SHARDED_MUON_SCRIPT = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from common.train import optimizers
+from common.train.distributed import setup_distributed, teardown_distributed
+from test_optimizers import STEPS, gradients, matrices, muon_with_adamw
+
+_, world, rank, _ = setup_distributed()
+module = matrices()
+fully_shard(module)
+calls = []
+newton_schulz = optimizers._zeropower_via_newtonschulz
+def counted(update, *args):
+    calls.append(tuple(update.shape))
+    return newton_schulz(update, *args)
+optimizers._zeropower_via_newtonschulz = counted
+opt = muon_with_adamw(module)
+assert type(opt.muon) is optimizers.ShardedMuon
+for step in range(STEPS):
+    for p, grad in zip(module.parameters(), gradients(step, module)):
+        p.grad = distribute_tensor(grad, p.device_mesh, p.placements)
+    opt.step()
+    opt.zero_grad()
+buffers = [opt.state[p]["momentum_buffer"] for p in module.w]
+assert all(isinstance(b, DTensor) and b.placements == p.placements for b, p in zip(buffers, module.w))
+weights = [p.full_tensor() for p in module.parameters()]
+momenta = [b.full_tensor() for b in buffers]
+everyone = [None] * world
+dist.all_gather_object(everyone, calls)
+if rank == 0:
+    torch.save({"weights": weights, "momenta": momenta, "calls": everyone}, sys.argv[1])
+teardown_distributed()
+'''
+
+
+def test_sharded_muon_equals_one_process_with_each_matrix_orthogonalised_on_one_rank(tmp_path):
+    """Two gloo ranks, FSDP2-sharded matrices (`fully_shard`), three steps: the weights and momentum
+    of torch's Muon in one process (bitwise on this machine; the bound allows elementwise kernels that
+    round a shard's tail otherwise), and each step's Newton-Schulz of each matrix run on exactly one
+    rank, the one `assign_owners` names."""
+    script = tmp_path / "sharded_muon.py"
+    script.write_text(SHARDED_MUON_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=300,
+                         cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                             "PYTHONPATH": os.pathsep.join(map(str, (REPO_ROOT, Path(__file__).parent, REPO_ROOT / "tests")))})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    sharded = torch.load(tmp_path / "out.pt", weights_only=True)
+
+    module = matrices()
+    opt = muon_with_adamw(module)
+    assert type(opt.muon) is torch.optim.Muon  # one process: torch's own
+    for step in range(STEPS):
+        for p, grad in zip(module.parameters(), gradients(step, module)):
+            p.grad = grad
+        opt.step()
+        opt.zero_grad()
+    for ours, theirs in zip(sharded["weights"], module.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=1e-6)
+    for ours, p in zip(sharded["momenta"], module.w):
+        torch.testing.assert_close(ours, opt.state[p]["momentum_buffer"], rtol=0, atol=1e-6)
+
+    owners = assign_owners([torch.Size(s) for s in SHAPES], 2)
+    for rank, calls in enumerate(sharded["calls"]):
+        mine = [s for s, owner in zip(SHAPES, owners) if owner == rank]
+        assert calls == mine * STEPS, rank
+    assert set(owners) == {0, 1}  # both ranks orthogonalise
+
+
+def test_owners_are_balanced_by_newton_schulz_cost():
+    """The costliest matrix first, each to the least-loaded rank (the lowest on a tie): one 64 x 64
+    costs as much as four 32 x 64, so those four go to rank 1, and the two small ones split."""
+    shapes = [torch.Size(s) for s in [(16, 16), (16, 16), (64, 64), (32, 64), (32, 64), (64, 32), (32, 64)]]
+    owners = assign_owners(shapes, 2)
+    assert owners == [0, 1, 0, 1, 1, 1, 1]
+    assert [sum(ns_cost(s) for s, o in zip(shapes, owners) if o == r) for r in range(2)] == [64**3 + 16**3] * 2
+    assert assign_owners(shapes, 1) == [0] * len(shapes)
