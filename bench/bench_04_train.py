@@ -18,12 +18,13 @@ draft's bare step on the same batches already in memory; then where 04's step ti
    in a list (no loader, no Trainer, no metrics, no checkpoint: the ceiling of this machine).
    Each figure is one epoch's training time (validation and export excluded on both sides).
 3. A profile of one more 04 epoch, run in this process through 04's own `main` with timers around
-   the data path, the draft's forward (its verifier-logits and loss part apart), backward,
-   optimizer and checkpoint writes.
+   the data path, the draft's forward (its verifier-logits and loss part apart), backward, the
+   gradient clip, the optimizer step (Muon's and AdamW's apart), the schedule and checkpoint writes.
 
 Prints the medians and `ratio_vs_upstream` (goal >= 1.0), `ratio_vs_bare_step` (goal >= 0.9) and
 `ratio_tensorboard_vs_no_tracker` (04 as run by default, reporting to TensorBoard, against
-`--report-to none`; goal >= 0.98), written with the profile to FILE by `--json`.
+`--report-to none`; goal >= 0.98) and the optimizer step's share of the training time, written with
+the profile to FILE by `--json`.
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ from common.hidden_states.loader import epoch_tokens, load_hidden_states, make_l
 from common.miniatures.targets import ensure_target
 from common.target.config import load_target_info
 from common.train import trainer as project_trainer
-from common.train.optimizers import build_optimizer, build_scheduler
+from common.train.optimizers import MuonWithAdamW, build_optimizer, build_scheduler
 from common.train.settings import TrainSettings
 from common.vocab import load_vocab
 
 UPSTREAM_VARIANT = "upstream-muon-head"  # Muon, lm_head trained: 04's defaults in upstream's trainer
+OPTIMIZER_PHASES = ("optimizer step: Muon", "optimizer step: AdamW")
 PHASES = ("data (load, noise, collate)", "draft forward", "verifier logits", "loss and metrics", "backward",
-          "optimizer (clip, step, schedule)", "checkpoint writes", "other (metrics log, Trainer)")
+          "gradient clip and schedule", *OPTIMIZER_PHASES, "checkpoint writes", "other (metrics log, Trainer)")
 AFTER_EPOCH = ("validation pass", "epoch checkpoint")  # once per epoch, outside its training time
 
 
@@ -210,9 +212,13 @@ def instrumented(profile: Profile) -> Iterator[None]:
             profile.steps += 1
             yield batch
 
-    def timed_setup_optimizer(self) -> None:
+    def timed_setup_optimizer(self) -> None:  # the timers are instance attributes, not in the state_dict
         setup_optimizer(self)
-        self.opt.step = profile.timed("optimizer (clip, step, schedule)", self.opt.step)  # not in its state_dict
+        if isinstance(self.opt, MuonWithAdamW):  # its step calls its members' in turn
+            self.opt.muon.step = profile.timed(OPTIMIZER_PHASES[0], self.opt.muon.step)
+            self.opt.adamw.step = profile.timed(OPTIMIZER_PHASES[1], self.opt.adamw.step)
+        else:
+            self.opt.step = profile.timed(OPTIMIZER_PHASES[1], self.opt.step)
 
     swaps = ((patch, "apply", apply_then_time), (trainer_class, "train_epoch", timed_train_epoch),
              (trainer_class, "epoch_batches", timed_batches), (trainer_class, "setup_optimizer", timed_setup_optimizer),
@@ -221,9 +227,9 @@ def instrumented(profile: Profile) -> Iterator[None]:
              (trainer_class, "val_epoch", profile.timed("validation pass", trainer_class.val_epoch)),
              (core, "compute_metrics", core.compute_metrics),  # restored after the block
              (torch.Tensor, "backward", profile.timed("backward", torch.Tensor.backward)),
-             (torch.nn.utils, "clip_grad_norm_", profile.timed("optimizer (clip, step, schedule)",
+             (torch.nn.utils, "clip_grad_norm_", profile.timed("gradient clip and schedule",
                                                                 torch.nn.utils.clip_grad_norm_)),
-             (LRScheduler, "step", profile.timed("optimizer (clip, step, schedule)", LRScheduler.step)),
+             (LRScheduler, "step", profile.timed("gradient clip and schedule", LRScheduler.step)),
              (Eagle3DraftModel, "forward", Eagle3DraftModel.forward))  # restored after the block
     with ExitStack() as stack:
         for owner, name, value in swaps:
@@ -274,6 +280,7 @@ def run(target_name: str, run_dir: Path, repeats: int, with_upstream: bool, setu
             "ratio_vs_bare_step": medians["04"] / medians["bare_step"],
             "ratio_tensorboard_vs_no_tracker": medians["04"] / medians["04_no_tracker"],
             "profile": [{"phase": p, "ms_per_step": ms, "share_of_training": share} for p, ms, share in profile.rows()],
+            "optimizer_share": sum(share for p, _, share in profile.rows() if p in OPTIMIZER_PHASES),
             "profile_steps": profile.steps, "profile_train_seconds": profile.train}
 
 
@@ -295,6 +302,7 @@ def report(result: dict) -> str:
                  "of training; the last two once per epoch, after it):")
     lines += [f"  {row['phase']:<34} {row['ms_per_step']:>8.1f} ms/step {row['share_of_training']:>7.1%}"
               for row in result["profile"]]
+    lines.append(f"the optimizer step (Muon and AdamW): {result['optimizer_share']:.1%} of the training time")
     return "\n".join(lines)
 
 
