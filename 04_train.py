@@ -57,7 +57,15 @@ from common.train.metrics import LOG_FILE, MetricsLog, metrics_logging
 from common.train.settings import TrainSettings, flag_specs
 from common.train.summary import export_chosen, report_run
 from common.train.tracking import train_tracking
-from common.train.trainer import CHECKPOINTS, DRAFT, ProjectTrainer, prepare_checkpoints, prepare_draft, trainer_config
+from common.train.trainer import (
+    CHECKPOINTS,
+    DRAFT,
+    ProjectTrainer,
+    optimizer_steps,
+    prepare_checkpoints,
+    prepare_draft,
+    trainer_config,
+)
 from common.vocab import load_vocab
 
 TRAINING_FLAGS = flag_specs()  # one flag per TrainSettings field; each overrides the config file's value
@@ -166,7 +174,8 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
         val_loader = make_loader(data, val_files, settings, world_size, rank, False, pin, skips) if val_files else None
         tokens = epoch_tokens(data, train_files, settings.total_seq_len)
         say(f"data: {len(train_files):,} training / {len(val_files):,} validation samples, {tokens:,} tokens per epoch "
-            f"in {len(train_loader):,} steps of up to {settings.total_seq_len:,} tokens x {world_size} rank(s)")
+            f"in {optimizer_steps(len(train_loader), settings.grad_accum):,} optimizer steps of up to "
+            f"{settings.grad_accum} x {settings.total_seq_len:,} tokens x {world_size} rank(s)")
         if resume is not None:
             check_resumable(resume, len(train_loader), world_size)
         if resume is not None and start_epoch < settings.epochs:
