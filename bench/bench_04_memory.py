@@ -2,7 +2,7 @@
 common/train/memory_plan.py plans, at scaled draft shapes on CPU, with and without activation
 checkpointing.
 
-    python bench/bench_04_memory.py [--json FILE] [--steps 2] [--fsdp] [--shapes NAME ...]
+    python bench/bench_04_memory.py [--json FILE] [--fsdp] [--grad-accum N] [--shapes NAME ...]
 
 Each case trains `--steps` packed batches through 04's own `ProjectTrainer` (Muon, the KL loss at
 target temperature 0.5, the project's patch installed, common/draft/forward.py's forward when
@@ -21,7 +21,8 @@ shape the checkpointed peak over the plain one (goal: at most 0.6); `--json` wri
 
 `--fsdp` runs the same cases under FSDP on one gloo rank (bf16 weights gathered as on GPUs, autocast
 on CPU): the sharded path's structure (units gathered, the root kept whole, the reduce-scatter), with
-world size 1 so that nothing is actually divided.
+world size 1 so that nothing is actually divided. `--grad-accum N` measures one optimizer step of N
+batches (04's --grad-accum: under FSDP the whole gradient is kept between them).
 """
 
 from __future__ import annotations
@@ -29,18 +30,14 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
-import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from bench.gpu_train_full_shape import synthetic_batches, write_standin_target
+from bench.gpu_train_full_shape import TimedBatches, write_standin_target
 from common.atomic import write_json
 from common.draft import patch
 from common.draft.model import DraftConfigFile, DraftShape, build_draft, speculator_config
@@ -97,31 +94,12 @@ class Case:
     total_seq_len: int
     checkpointing: bool
     fsdp: bool
+    grad_accum: int
     measured_bytes: int
     planned_bytes: int
     ratio: float  # measured / planned
     planned_phase: str
     seconds_per_step: float
-
-
-class LazyBatches:
-    """The batches of one epoch, each made when the trainer asks for it (as the loader hands them over)."""
-
-    batch_sampler = SimpleNamespace(skip=0)  # what ProjectTrainer sets before an epoch
-
-    def __init__(self, steps: int, shape: BenchShape) -> None:
-        self.steps, self.shape = steps, shape
-        self.times: list[float] = []
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __iter__(self) -> Iterator[dict]:
-        self.times = []
-        for _ in range(self.steps):
-            self.times.append(time.perf_counter())
-            yield synthetic_batches(1, self.shape.total_seq_len, self.shape.hidden, self.shape.target_vocab)[0]
-        self.times.append(time.perf_counter())
 
 
 def prime(trainer: ProjectTrainer) -> None:
@@ -134,13 +112,15 @@ def prime(trainer: ProjectTrainer) -> None:
     trainer.opt.step()
 
 
-def plan_setup(shape: BenchShape, checkpointing: bool, fsdp: bool) -> TrainSetup:
+def plan_setup(shape: BenchShape, checkpointing: bool, fsdp: bool, grad_accum: int = 1) -> TrainSetup:
     return TrainSetup(total_seq_len=shape.total_seq_len, ranks=1, precision="bf16" if fsdp else "fp32", device="cpu",
-                      checkpointing=checkpointing, fsdp=fsdp)
+                      checkpointing=checkpointing, fsdp=fsdp, grad_accum=grad_accum)
 
 
-def run_case(shape: BenchShape, checkpointing: bool, fsdp: bool, steps: int, out: Path) -> Case:
-    """Build 04's trainer for `shape` and measure the peak of `steps` training batches."""
+def run_case(shape: BenchShape, checkpointing: bool, fsdp: bool, steps: int, out: Path, grad_accum: int = 1) -> Case:
+    """Build 04's trainer for `shape` and measure the peak of `steps` training batches (at least one
+    accumulation group)."""
+    steps = max(steps, grad_accum)
     patch.apply(compile_forward=False, loss="kl", target_temperature=TARGET_TEMPERATURE,
                 activation_checkpointing=checkpointing)
     target = write_standin_target(out / f"target-{shape.hidden}-{shape.target_vocab}", shape.hidden,
@@ -148,14 +128,14 @@ def run_case(shape: BenchShape, checkpointing: bool, fsdp: bool, steps: int, out
     info = load_target_info(target, trust_remote_code=True)
     flags = {"total_seq_len": shape.total_seq_len, "scheduler": "none", "epochs": 1, "optimizer": "muon",
              "precision": "bf16" if fsdp else "fp32", "target_temperature": TARGET_TEMPERATURE,
-             "activation_checkpointing": checkpointing}
+             "activation_checkpointing": checkpointing, "grad_accum": grad_accum}
     settings, _ = TrainSettings.resolve(DraftConfigFile(Path(shape.name), shape.draft_shape(), {}), flags)
     d2t, t2d = build_maps(torch.arange(shape.target_vocab, 0, -1), shape.draft_vocab)
     torch.manual_seed(0)
     model = build_draft(speculator_config(shape.draft_shape(), info, d2t.numel(), [2, 30, 58], settings.ttt_steps),
                         t2d, d2t)
     prepare_draft(model, settings)
-    batches = LazyBatches(steps, shape)
+    batches = TimedBatches(steps, shape.total_seq_len, shape.hidden, shape.target_vocab, ahead=False)
     config = trainer_config(settings, out / "checkpoints", False, fsdp, torch.device("cpu"))
     trainer = ProjectTrainer(model, config, settings, batches, None, None)
     prime(trainer)
@@ -167,10 +147,11 @@ def run_case(shape: BenchShape, checkpointing: bool, fsdp: bool, steps: int, out
     step_seconds = [b - a for a, b in zip(batches.times, batches.times[1:])]
     del trainer, model
     gc.collect()
-    planned = peak_memory(shape.dims(), plan_setup(shape, checkpointing, fsdp))
+    planned = peak_memory(shape.dims(), plan_setup(shape, checkpointing, fsdp, grad_accum))
     return Case(shape.name, shape.hidden, shape.heads, shape.intermediate, shape.draft_vocab, shape.target_vocab,
-                shape.total_seq_len, checkpointing, fsdp, tracker.peak, planned.total, tracker.peak / planned.total,
-                planned.phase, statistics.median(step_seconds))
+                shape.total_seq_len, checkpointing, fsdp, grad_accum, tracker.peak, planned.total,
+                tracker.peak / planned.total,
+                planned.phase, sum(step_seconds) / len(step_seconds))
 
 
 def checkpointing_ratios(cases: list[Case]) -> dict[str, float]:
@@ -208,6 +189,7 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--steps", type=int, default=1, help="training batches measured per case")
     parser.add_argument("--fsdp", action="store_true", help="under FSDP on one gloo rank, bf16 (see above)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="batches per optimizer step (04's --grad-accum)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory04"))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -216,7 +198,7 @@ def main() -> int:
     cases = []
     for name in args.shapes:
         for checkpointing in (False, True):
-            cases.append(run_case(SHAPES[name], checkpointing, args.fsdp, args.steps, args.out))
+            cases.append(run_case(SHAPES[name], checkpointing, args.fsdp, args.steps, args.out, args.grad_accum))
             print(table(cases[-1:], {}).splitlines()[-1], flush=True)
     ratios = checkpointing_ratios(cases)
     print(table(cases, ratios))
@@ -224,7 +206,8 @@ def main() -> int:
     print(f"measured within {GOAL_RATIO:.0%} of planned at every case: {'yes' if within else 'NO'}; checkpointed peak "
           f"at most {GOAL_CHECKPOINTING} of plain: {'yes' if ratios.get('worst', 1) <= GOAL_CHECKPOINTING else 'NO'}")
     if args.json is not None:
-        write_json(args.json, {"device": "cpu", "fsdp": args.fsdp, "steps": args.steps, "torch": torch.__version__,
+        write_json(args.json, {"device": "cpu", "fsdp": args.fsdp, "grad_accum": args.grad_accum, "steps": args.steps,
+                               "torch": torch.__version__,
                                "shapes": [asdict(c) for c in cases], "checkpointing_peak_ratio": ratios,
                                "goal_ratio": GOAL_RATIO, "goal_checkpointing": GOAL_CHECKPOINTING})
         print(f"written to {args.json}")

@@ -2,14 +2,26 @@
 configs/draft_kimi_k25.json (hidden 7168, 64 heads of 128, intermediate 18432, verifier vocabulary
 163,840, draft vocabulary 32,000) through 04's own Trainer (common/train/trainer.py: Muon, bf16
 autocast on GPUs, the project's patch), on synthetic hidden states, at 2,048 and 8,192 tokens per
-step, eager and with `torch.compile`. Prints per case tokens/s, ms per step (the optimizer's part
-apart), MFU against the GPU's dense bf16 peak, peak GPU memory, and what one epoch of 1,000 and of
-500,000 samples of 2,048 tokens would take on 8 such GPUs.
+step, eager and with `torch.compile`. Prints per case tokens/s, ms per optimizer step and the optimizer's
+share of it, MFU against the GPU's dense bf16 peak, the peak memory beside what
+common/train/memory_plan.py plans for it, and what one epoch of 1,000 and of 500,000 samples of 2,048
+tokens would take on 8 such GPUs.
 
     python bench/gpu_train_full_shape.py [--seq-lens 2048 8192] [--compile both|on|off] [--steps 6]
         [--precision auto|bf16|fp32] [--peak-tflops 989] [--json FILE]     # about 3-4 minutes on one H200
+    python bench/gpu_train_full_shape.py --memory-budget 15GB --activation-checkpointing --grad-accum 4 \
+        --seq-lens 2048 --compile off     # one 80 GB card capped as a rank beside vLLM on a 96 GB card
     python bench/gpu_train_full_shape.py --device cpu --draft-config SMALL.json --seq-lens 256 --compile off
         # a dry run of the plumbing on CPU with a small draft config (hidden size from the file)
+
+`--memory-budget SIZE` caps this process's CUDA memory (`torch.cuda.set_per_process_memory_fraction`)
+at what one of `--budget-ranks` FSDP ranks (default 8) would have: SIZE plus what this single process
+holds whole and such a rank holds 1/R of (weights, gradients, optimizer state and frozen weights, less
+the bf16 units FSDP keeps gathered: planned, and printed). A case that runs out of memory under the
+cap is reported as such. `--activation-checkpointing` and `--grad-accum N` are 04's flags (N packed
+batches per optimizer step; `--steps` counts optimizer steps). On CPU the peak is measured by
+common/train/memory_plan.py's PeakTracker (exact, and slow), on a GPU by the allocator's
+`max_memory_allocated`; the plan is the eager step's (a compiled forward keeps other tensors).
 
 Needs only `pip install -r requirements.txt` (no vLLM, no Kimi-K2.5 checkpoint): a stand-in target
 folder (a Kimi-shaped text config with yarn rope, and only the two tensors the draft reads,
@@ -32,6 +44,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,6 +57,8 @@ from common.draft import patch
 from common.draft.model import KIMI_CONFIG, build_draft, read_config_file, speculator_config
 from common.miniatures.targets import KIMI_TEXT_CONFIG, KIMI_VOCAB_SIZE
 from common.target.config import load_target_info
+from common.target.device_plan import parse_size
+from common.train.memory_plan import DraftDims, PeakTracker, TrainSetup, peak_memory, static_terms
 from common.train.settings import PRECISIONS, TrainSettings
 from common.train.trainer import ProjectTrainer, prepare_draft, trainer_config
 from common.vocab import build_maps
@@ -98,14 +113,25 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-class TimedBatches(list):
-    """Batches for the Trainer's epoch, recording when each step asks for its batch."""
+class TimedBatches:
+    """`count` batches for the Trainer's epoch, recording when each step asks for its batch. Made
+    ahead (`ahead`: no batch-making in the timed steps) or each when asked (one in memory at a time,
+    as the loader hands them over)."""
 
     batch_sampler = SimpleNamespace(skip=0)  # what ProjectTrainer sets before an epoch
 
-    def __iter__(self):
+    def __init__(self, count: int, seq_len: int, hidden: int, vocab: int = KIMI_VOCAB_SIZE, ahead: bool = True) -> None:
+        self.count, self.shape = count, (seq_len, hidden, vocab)
+        self.made = synthetic_batches(count, *self.shape) if ahead else None
+        self.times: list[float] = []
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[dict]:
         self.times = []
-        for batch in super().__iter__():
+        for i in range(self.count):
+            batch = self.made[i] if self.made is not None else synthetic_batches(1, *self.shape)[0]
             _sync()
             self.times.append(time.perf_counter())
             yield batch
@@ -129,31 +155,71 @@ class Case:
     seq_len: int
     compiled: bool
     precision: str
-    ms_per_step: float
+    activation_checkpointing: bool
+    grad_accum: int
+    ms_per_step: float  # per optimizer step (grad_accum packed batches)
     optimizer_ms_per_step: float
+    optimizer_share: float  # of the step's time
     tokens_per_s: float
     tflops: float
     mfu: float | None
     peak_memory_gib: float | None
+    planned_memory_gib: float  # common/train/memory_plan.py's peak for this process's step
+    planned_phase: str
+    memory_cap_gib: float | None  # --memory-budget's cap, as set
+    out_of_memory: bool
     epoch_hours_8_gpus: dict  # samples -> hours
+
+
+def planned_setup(settings: TrainSettings, device: torch.device, ranks: int = 1) -> TrainSetup:
+    """The memory plan's setup of this process's step (one process) or of one of `ranks` FSDP ranks."""
+    bf16 = settings.autocast_dtype(device) is not None
+    return TrainSetup(total_seq_len=settings.total_seq_len, ttt_steps=settings.ttt_steps, ranks=ranks,
+                      optimizer=settings.optimizer, precision="bf16" if bf16 else "fp32", device=device.type,
+                      checkpointing=settings.activation_checkpointing, grad_accum=settings.grad_accum)
+
+
+def whole_state_excess(dims: DraftDims, settings: TrainSettings, device: torch.device, ranks: int) -> int:
+    """Bytes one process holds whatever the pack beyond what one of `ranks` FSDP ranks holds."""
+    def held(setup: TrainSetup) -> int:
+        s = static_terms(dims, setup)
+        return s.weights + s.gradients + s.optimizer_state + s.frozen + s.gathered
+    return held(planned_setup(settings, device)) - held(planned_setup(settings, device, ranks))
+
+
+def set_memory_cap(budget: int | None, excess: int, device: torch.device) -> int | None:
+    """Cap this process's CUDA memory at `budget` + `excess` (None: no cap, or not a GPU)."""
+    if budget is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = min(total, budget + excess)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap
 
 
 def run_case(args: argparse.Namespace, target: Path, seq_len: int, compiled: bool, peak: float | None) -> Case:
     device = torch.device(args.device)
-    patch.apply(compile_forward=compiled)
     config_file = read_config_file(args.draft_config)
     hidden = config_file.model.hidden_size
     info = load_target_info(target, trust_remote_code=True)
     settings, _ = TrainSettings.resolve(config_file, {"total_seq_len": seq_len, "scheduler": "none",
-                                                      "precision": args.precision, "epochs": 1})
+                                                      "precision": args.precision, "epochs": 1,
+                                                      "activation_checkpointing": args.activation_checkpointing,
+                                                      "grad_accum": args.grad_accum})
+    patch.apply(compile_forward=compiled, loss=settings.loss, target_temperature=settings.target_temperature,
+                activation_checkpointing=settings.activation_checkpointing)
     counts = torch.arange(KIMI_VOCAB_SIZE, 0, -1)  # any fixed choice of the draft vocabulary
     d2t, t2d = build_maps(counts, config_file.model.draft_vocab_size)
     config = speculator_config(config_file.model, info, d2t.numel(), [2, 30, 58], settings.ttt_steps)
+    dims = DraftDims.of(config_file.model, KIMI_VOCAB_SIZE, d2t.numel())
+    planned = peak_memory(dims, planned_setup(settings, device))
+    cap = set_memory_cap(args.memory_budget, whole_state_excess(dims, settings, device, args.budget_ranks), device)
     torch.manual_seed(0)
     model = build_draft(config, t2d, d2t)
     prepare_draft(model, settings)
-    batches = TimedBatches(synthetic_batches(args.steps + WARMUP_STEPS, seq_len, hidden))
-    samples_per_seq = len(batches[0]["lengths"])
+    batches_per_step = settings.grad_accum
+    batches = TimedBatches((args.steps + WARMUP_STEPS) * batches_per_step, seq_len, hidden, ahead=device.type == "cuda")
+    samples_per_seq = max(1, seq_len // SAMPLES_PER_SEQ_TOKENS)
     flops = flops_per_token(model, seq_len, samples_per_seq, settings.ttt_steps)
     trainer = ProjectTrainer(model, trainer_config(settings, args.out / "checkpoints", False, False, device),
                              settings, batches, None, None)
@@ -169,22 +235,40 @@ def run_case(args: argparse.Namespace, target: Path, seq_len: int, compiled: boo
         return result
 
     trainer.opt.step = timed_step
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train_epoch(0)
-    step_seconds = [b - a for a, b in zip(batches.times[WARMUP_STEPS:], batches.times[WARMUP_STEPS + 1:])]
-    median = statistics.median(step_seconds)
-    rate = seq_len / median
-    peak_memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    del trainer, model, batches
+    tracker = PeakTracker() if device.type == "cpu" else None
+    out_of_memory = False
+    try:
+        if tracker is not None:
+            tracker.track(model.parameters(), model.buffers())
+            with tracker:
+                trainer.train_epoch(0)
+        else:
+            torch.cuda.reset_peak_memory_stats()
+            trainer.train_epoch(0)
+    except torch.OutOfMemoryError:
+        out_of_memory = True
+    if tracker is not None:
+        peak_memory_bytes = tracker.peak
+    else:
+        peak_memory_bytes = torch.cuda.max_memory_allocated()
+    del trainer, model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    timed = [b - a for a, b in zip(batches.times[WARMUP_STEPS * batches_per_step:],
+                                   batches.times[WARMUP_STEPS * batches_per_step + 1:])]
+    seconds = sum(timed) if timed and not out_of_memory else float("nan")
+    rate = seq_len * len(timed) / seconds if timed and not out_of_memory else 0.0
+    step_ms = 1000 * seconds / args.steps
+    optimizer_ms = 1000 * statistics.median(optimizer_seconds[WARMUP_STEPS:]) if len(optimizer_seconds) > WARMUP_STEPS \
+        else float("nan")
     tflops = flops * rate / 1e12
-    return Case(seq_len, compiled, args.precision, 1000 * median,
-                1000 * statistics.median(optimizer_seconds[WARMUP_STEPS:]), rate, tflops,
-                tflops / peak if peak else None, peak_memory,
-                {n: n * SAMPLES_PER_SEQ_TOKENS / (GPUS * rate) / 3600 for n in EPOCH_SAMPLES})
+    return Case(seq_len, compiled, args.precision, settings.activation_checkpointing, settings.grad_accum, step_ms,
+                optimizer_ms, optimizer_ms / step_ms if step_ms else float("nan"), rate, tflops,
+                tflops / peak if peak else None, peak_memory_bytes / 2**30, planned.total / 2**30, planned.phase,
+                cap / 2**30 if cap is not None else None, out_of_memory,
+                {n: n * SAMPLES_PER_SEQ_TOKENS / (GPUS * rate) / 3600 if rate else float("nan") for n in EPOCH_SAMPLES})
 
 
 def bf16_peak(device: torch.device, given: float | None) -> float | None:
@@ -197,15 +281,23 @@ def bf16_peak(device: torch.device, given: float | None) -> float | None:
 
 def table(cases: list[Case], where: str, peak: float | None) -> str:
     rows = [f"{where}; dense bf16 peak {f'{peak:g} TFLOPS' if peak else 'unknown (--peak-tflops)'}",
-            f"{'tokens':>6} {'compile':>7} {'ms/step':>8} {'(optim.)':>8} {'tok/s':>9} {'TFLOPS':>7} {'MFU':>6} "
-            f"{'peak GiB':>8}  epoch on {GPUS} GPUs: " + ", ".join(f"{n:,} x {SAMPLES_PER_SEQ_TOKENS}" for n in EPOCH_SAMPLES)]
+            f"{'tokens':>6} {'accum':>5} {'ckpt':>4} {'compile':>7} {'ms/step':>8} {'optim.':>6} {'tok/s':>9} "
+            f"{'TFLOPS':>7} {'MFU':>6} {'peak GiB':>8} {'planned':>7} {'cap':>5}  epoch on {GPUS} GPUs: "
+            + ", ".join(f"{n:,} x {SAMPLES_PER_SEQ_TOKENS}" for n in EPOCH_SAMPLES)]
     for c in cases:
         mfu = f"{c.mfu:.1%}" if c.mfu is not None else "-"
-        memory = f"{c.peak_memory_gib:.1f}" if c.peak_memory_gib is not None else "-"
+        memory = f"{c.peak_memory_gib:.2f}" if c.peak_memory_gib is not None else "-"
+        cap = f"{c.memory_cap_gib:.1f}" if c.memory_cap_gib is not None else "-"
+        if c.out_of_memory:
+            rows.append(f"{c.seq_len:>6} {c.grad_accum:>5} {'on' if c.activation_checkpointing else 'off':>4} "
+                        f"{'on' if c.compiled else 'off':>7}  out of memory under the cap of {cap} GiB "
+                        f"(peak {memory} GiB, planned {c.planned_memory_gib:.2f} GiB)")
+            continue
         epochs = ", ".join(f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h" for h in c.epoch_hours_8_gpus.values())
-        rows.append(f"{c.seq_len:>6} {'on' if c.compiled else 'off':>7} {c.ms_per_step:>8.0f} "
-                    f"{c.optimizer_ms_per_step:>8.0f} {c.tokens_per_s:>9,.0f} {c.tflops:>7.1f} {mfu:>6} {memory:>8}  "
-                    f"{epochs}")
+        rows.append(f"{c.seq_len:>6} {c.grad_accum:>5} {'on' if c.activation_checkpointing else 'off':>4} "
+                    f"{'on' if c.compiled else 'off':>7} {c.ms_per_step:>8.0f} {c.optimizer_share:>6.1%} "
+                    f"{c.tokens_per_s:>9,.0f} {c.tflops:>7.1f} {mfu:>6} {memory:>8} {c.planned_memory_gib:>7.2f} "
+                    f"{cap:>5}  {epochs}")
     return "\n".join(rows)
 
 
@@ -221,6 +313,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--draft-config", type=Path, default=KIMI_CONFIG)
     parser.add_argument("--json", type=Path, default=None, help="write the cases here")
+    parser.add_argument("--memory-budget", type=parse_size, default=None,
+                        help="a rank's memory, e.g. 15GB: cap this process as one of --budget-ranks FSDP ranks (above)")
+    parser.add_argument("--budget-ranks", type=int, default=GPUS, help="the ranks --memory-budget is one of")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="04's --activation-checkpointing")
+    parser.add_argument("--grad-accum", type=int, default=1, help="04's --grad-accum (packed batches per step)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -238,7 +335,8 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(table(cases, f"{where}, precision {args.precision}, {args.steps} timed steps per case", peak))
     if args.json is not None:
-        write_json(args.json, {"device": where, "peak_tflops": peak, "cases": [asdict(c) for c in cases]})
+        write_json(args.json, {"device": where, "peak_tflops": peak, "memory_budget": args.memory_budget,
+                               "budget_ranks": args.budget_ranks, "cases": [asdict(c) for c in cases]})
         print(f"figures written to {args.json}")
 
 

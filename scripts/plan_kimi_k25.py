@@ -7,18 +7,22 @@ number of GPUs and budget per GPU. It prints the totals (routed experts packed, 
 everything else in bf16), the activation headroom for `--batch-tokens`, and the plan, or the
 refusal the scripts would print. Building the 61 layers x 384 experts on meta takes a few minutes.
 
-With `--online`, the plan of 04 --online instead: for one host of 8 x H200 and one of 8 x 96 GB
-cards (target and trainer sharing the GPUs) and for two hosts (the target on one, the trainer on
-the other), the memory per GPU of the target (vLLM TP8, and the HF device map), of the draft's
-training (FSDP over 8 ranks at --total-seq-len) and of the prefetch window, whether it fits, and
-the tokens/s to expect from the target's prefill FLOPs and the draft's training FLOPs at the
-stated utilisations (estimates, not measurements: bench/gpu_train_full_shape.py measures the draft).
+With `--online`, also the plan of 04 --online on one host (common/online/host_plan.py): per host type
+(8 x H200, 8 x 96 GB RTX PRO 6000 Blackwell), vLLM's share of each GPU as a prefill-only hidden-state
+server (TP over the host's GPUs: the weights each rank holds, computed from the meta model, and an
+engine sized for prefill; the vLLM flags and the --gpu-memory-utilization they come to), the training
+layout that fits beside it with 10% of each GPU spare (the largest pack, --grad-accum making up 8,192
+tokens per rank per step, --activation-checkpointing where needed; the trainer's peak per rank from
+common/train/memory_plan.py, term by term), or what to change when none does, and the tokens/s and
+hours to expect for 500K x 2,048 tokens x 3 epochs at the stated utilisations (estimates, not
+measurements: bench/gpu_train_full_shape.py measures the draft's step, bench/bench_04_memory.py the
+memory model against a measured step).
 
 Usage:
     python scripts/plan_kimi_k25.py                                   # 8 x 141 GB (H200), 16384 tokens
     python scripts/plan_kimi_k25.py --gpus 8 --max-memory 96GB        # an 8 x 96 GB host
     python scripts/plan_kimi_k25.py --gpus 1 --max-memory 141GB       # one H200: refused
-    python scripts/plan_kimi_k25.py --online [--total-seq-len 8192] [--prefetch 2]
+    python scripts/plan_kimi_k25.py --online [--prefetch 2]                # and 04 --online's layout
 """
 
 from __future__ import annotations
@@ -26,10 +30,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from common.miniatures.targets import KIMI_TEXT_CONFIG
+from common.online.host_plan import (
+    CARDS,
+    MIN_TOKENS_PER_STEP,
+    assumptions,
+    describe_host,
+    draft_flops_per_token,
+    gpu_setup,
+    tensor_parallel_weights,
+    vllm_share,
+)
+from common.online.options import prefetch_bytes
 from common.target.device_plan import (
     DevicePlanError,
     activation_headroom,
@@ -44,6 +60,7 @@ from common.target.int4_experts import (
     parse_quantization_config,
     replace_with_packed,
 )
+from common.train.memory_plan import DraftDims
 
 # Kimi-K2.5's text_config where it differs from the miniature's (its published config.json).
 KIMI_K25_SHAPE = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
@@ -64,71 +81,21 @@ def kimi_meta_model() -> torch.nn.Module:
     return model
 
 
-# --- 04 --online: estimates -------------------------------------------------------------------------
-KIMI_ACTIVE_PARAMS = 32e9  # Kimi-K2.5's activated parameters per token (its model card)
-VERIFIER_VOCAB, DRAFT_VOCAB, HIDDEN = 163_840, 32_000, 7168
-# The draft of configs/draft_kimi_k25.json: fc (3H -> H), attention on 2H inputs (q, k, v: 2H -> 64 x 128;
-# o: 8192 -> H), a SwiGLU MLP of 18432, the draft lm_head; embed_tokens and the verifier lm_head are frozen.
-DRAFT_TRAINABLE = 3 * HIDDEN * HIDDEN + 3 * 2 * HIDDEN * 8192 + 8192 * HIDDEN + 3 * HIDDEN * 18432 + DRAFT_VOCAB * HIDDEN
-DRAFT_FROZEN = 2 * VERIFIER_VOCAB * HIDDEN
-TTT_STEPS = 3
-# Utilisation assumed for the expected rate: training a dense layer (the measured figure belongs to
-# bench/gpu_train_full_shape.py), and vLLM's prefill of an INT4 MoE (memory-bound expert matmuls).
-TRAIN_MFU, PREFILL_MFU = 0.40, 0.30
-HOSTS = {"8 x H200 (141 GB, 989 TFLOPs bf16 dense)": (141e9, 989e12),
-         "8 x 96 GB (RTX PRO 6000 Blackwell class, ~500 TFLOPs bf16 dense)": (96e9, 500e12)}
-VLLM_OVERHEAD = 6e9  # per GPU: CUDA graphs, NCCL buffers, the prefill's KV blocks (MLA: 70 KB/token) and workspace
-
-
-def draft_training_bytes(total_seq_len: int, ranks: int) -> tuple[int, int]:
-    """(bytes per GPU of the draft's training under FSDP over `ranks`, of which activations): fp32
-    weights, gradients and two optimizer moments sharded (16 B per trainable parameter), the frozen bf16
-    embedding and verifier lm_head on every rank, and per TTT step the fp32 draft logits and their
-    gradient, the target's probabilities over the draft vocabulary, and ~40 hidden-wide bf16 tensors
-    per token kept for the backward pass; the batch's four states in fp32 (the loader's dtype)."""
-    sharded = DRAFT_TRAINABLE * 16 // ranks
-    activations = (TTT_STEPS * total_seq_len * (DRAFT_VOCAB * 4 * 3 + HIDDEN * 2 * 40)
-                   + total_seq_len * VERIFIER_VOCAB * 2 + total_seq_len * 4 * HIDDEN * 4)
-    return sharded + DRAFT_FROZEN * 2 + activations, activations
-
-
-def plan_online(total_weights: int, hf_plan: str, total_seq_len: int, prefetch: int) -> None:
-    """04 --online on one shared host and on two hosts, per host type (see the module docstring)."""
-    target_prefill = 2 * KIMI_ACTIVE_PARAMS  # FLOPs per token (attention at 2K tokens adds a few %)
-    draft_step = 6 * DRAFT_TRAINABLE * TTT_STEPS  # forward + backward per token and TTT step
-    train, activations = draft_training_bytes(total_seq_len, 8)
-    single, _ = draft_training_bytes(total_seq_len, 1)
-    window = prefetch * total_seq_len * 4 * HIDDEN * 2
-    vllm = total_weights / 8 + VLLM_OVERHEAD
-    print(f"\n04 --online, --total-seq-len {total_seq_len:,}, --prefetch {prefetch}:")
-    print(f"  draft: {DRAFT_TRAINABLE / 1e9:.2f}B trainable parameters ({draft_step / 1e9:.0f} GFLOP per token over "
-          f"{TTT_STEPS} TTT steps), {DRAFT_FROZEN / 1e9:.2f}B frozen; FSDP over 8 ranks: {train / 1e9:.1f} GB per GPU "
-          f"({activations / 1e9:.1f} GB of it activations)")
-    print(f"  target: {target_prefill / 1e9:.0f} GFLOP per token of prefill; vLLM TP8 {vllm / 1e9:.1f} GB per GPU "
-          f"({total_weights / 8e9:.1f} GB weights + {VLLM_OVERHEAD / 1e9:.0f} GB engine); HF device map: {hf_plan}")
-    print(f"  prefetch window: {window / 1e9:.2f} GB of host memory per rank ({prefetch} x {total_seq_len:,} x 4 x "
-          f"{HIDDEN} x 2 bytes), {8 * window / 1e9:.1f} GB per host")
-    tokens = 500_000 * 2048 * 3  # the 500K preset: 3 epochs of 2,048-token conversations
-    for host, (memory, peak) in HOSTS.items():
-        shared = vllm + train
-        fits = "fits" if shared <= memory * 0.95 else "does NOT fit"
-        rate_shared = 8 * peak / (target_prefill / PREFILL_MFU + draft_step / TRAIN_MFU)
-        rate_two = min(8 * peak * PREFILL_MFU / target_prefill, 8 * peak * TRAIN_MFU / draft_step)
-        print(f"  {host}:")
-        print(f"    one host, the hidden-state server shared by 8 torchrun ranks (--vllm-url): {shared / 1e9:.1f} GB of {memory / 1e9:.0f} GB per GPU: {fits} "
-              f"(vLLM --gpu-memory-utilization {vllm / memory:.2f}); ~{rate_shared:,.0f} tokens/s "
-              f"({rate_shared / 8:,.0f} per GPU), "
-              f"500K x 2,048 tokens x 3 epochs in ~{tokens / rate_shared / 3600:.0f} h")
-        rate_one = min(8 * peak * PREFILL_MFU / target_prefill, peak * TRAIN_MFU / draft_step)
-        print(f"    one process, the draft on cuda:0 beside its vLLM worker (TP8): cuda:0 holds "
-              f"{(vllm + single) / 1e9:.1f} GB of {memory / 1e9:.0f} GB "
-              f"({'fits' if vllm + single <= memory * 0.95 else 'does NOT fit'}); ~{rate_one:,.0f} tokens/s "
-              f"(one GPU trains), ~{tokens / rate_one / 3600:.0f} h")
-        print(f"    two hosts, the target (TP8) on one, the trainer on the other: target {vllm / 1e9:.1f} GB, trainer "
-              f"{train / 1e9:.1f} GB per GPU; ~{rate_two:,.0f} tokens/s (the slower side), ~{tokens / rate_two / 3600:.0f} h")
-    print(f"  utilisation assumed: draft training {TRAIN_MFU:.0%}, target prefill {PREFILL_MFU:.0%} of the bf16 peak. "
-          "For scale, a published Kimi-K2.5 draft: 600K samples, 6B tokens, ~1,500 H200-hours with 16 inference and "
-          f"16 training GPUs: {6e9 / (1500 * 3600):,.0f} tokens/s per GPU.")
+def plan_online(model: torch.nn.Module, gpus: int, prefetch: int) -> None:
+    """04 --online per host type (common/online/host_plan.py)."""
+    dims = DraftDims.kimi_k25()
+    share = vllm_share(tensor_parallel_weights(model, gpus), model.config, gpus)
+    setup = gpu_setup(MIN_TOKENS_PER_STEP, gpus)
+    print(f"\n04 --online, one host of {gpus} GPUs: vLLM TP{gpus} and {gpus} torchrun ranks on the same GPUs")
+    print(f"  draft: {dims.trainable / 1e9:.2f}B trained parameters, {(dims.embedding + dims.verifier_head) / 1e9:.2f}B "
+          f"frozen; {draft_flops_per_token(dims, setup) / 1e9:.0f} GFLOP per trained token (3 TTT steps; "
+          f"{draft_flops_per_token(dims, replace(setup, checkpointing=True)) / 1e9:.0f} with checkpointing)")
+    window = prefetch_bytes(prefetch, MIN_TOKENS_PER_STEP, dims.hidden)
+    print(f"  prefetch window (--prefetch {prefetch}): {window / 1e9:.2f} GB of host memory per rank at 8,192 "
+          f"tokens, {gpus * window / 1e9:.1f} GB per host")
+    for card in CARDS.values():
+        print("\n".join(describe_host(card, share, dims, model.config, gpus)))
+    print(assumptions(list(CARDS.values())))
 
 
 def main() -> int:
@@ -137,7 +104,6 @@ def main() -> int:
     parser.add_argument("--max-memory", default="141GB", help="budget per GPU (default: %(default)s, an H200)")
     parser.add_argument("--batch-tokens", type=int, default=16384)
     parser.add_argument("--online", action="store_true", help="the plan of 04 --online (see above)")
-    parser.add_argument("--total-seq-len", type=int, default=8192, help="--online: 04's tokens per rank and step")
     parser.add_argument("--prefetch", type=int, default=2, help="--online: 04's --prefetch")
     args = parser.parse_args()
 
@@ -161,16 +127,12 @@ def main() -> int:
         plan = plan_device_map(blocks, budgets, headroom)
     except DevicePlanError as e:
         print(f"refused: {e}")
-        if args.online:
-            plan_online(total, "refused (above)", args.total_seq_len, args.prefetch)
-        return 0
-    for device, used in plan.used.items():
-        print(f"  {device}: {used / 1e9:,.1f} GB weights + {headroom / 1e9:.1f} GB activations "
-              f"= {(used + headroom) / 1e9:,.1f} GB of {budgets[device] / 1e9:,.0f} GB")
+    else:
+        for device, used in plan.used.items():
+            print(f"  {device}: {used / 1e9:,.1f} GB weights + {headroom / 1e9:.1f} GB activations "
+                  f"= {(used + headroom) / 1e9:,.1f} GB of {budgets[device] / 1e9:,.0f} GB")
     if args.online:
-        worst = max(plan.used.values()) + headroom
-        plan_online(total, f"up to {worst / 1e9:.1f} GB per GPU (above; the trainer's share comes on top)",
-                    args.total_seq_len, args.prefetch)
+        plan_online(model, args.gpus, args.prefetch)
     return 0
 
 

@@ -163,6 +163,9 @@ class TrainSetup:
     checkpointing: bool = False
     grad_accum: int = 1
     fsdp: bool | None = None  # None: FSDP when ranks > 1 (torchrun); True also for one rank under torchrun
+    # Under FSDP with grad_accum > 1, each rank keeps the whole gradient in fp32 between a group's batches
+    # and reduce-scatters once per group (ProjectTrainer.train_step); False: reduce-scattered every batch.
+    accumulate_whole: bool = True
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("optimizer", self.optimizer, OPTIMIZERS), ("precision", self.precision, PRECISIONS),
@@ -348,9 +351,9 @@ def static_terms(dims: DraftDims, setup: TrainSetup) -> Static:
     trainable = dims.trainable
     moments = dims.muon_params * FP32 + (trainable - dims.muon_params) * 2 * FP32 if setup.optimizer == "muon" \
         else trainable * 2 * FP32
-    gradients = trainable * FP32 // r
-    if setup.sharded and setup.grad_accum > 1:
-        gradients += trainable * FP32  # the whole gradient kept between a group's batches
+    # the step before's, or under FSDP with accumulation the whole gradient kept between a group's batches
+    whole = setup.sharded and setup.grad_accum > 1 and setup.accumulate_whole
+    gradients = trainable * FP32 if whole else trainable * FP32 // r
     if setup.sharded:  # the root unit and the verifier lm_head stay gathered to the end of the backward
         gathered = (dims.root_unit + dims.verifier_head) * BF16
     elif setup.precision == "bf16":

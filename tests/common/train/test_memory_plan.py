@@ -89,9 +89,12 @@ def test_fsdp_divides_the_state_and_not_the_activations():
     assert eight.activations == one.activations
 
 
-def test_accumulation_under_fsdp_keeps_the_whole_gradient():
+def test_accumulation_under_fsdp_keeps_the_whole_gradient_unless_reduced_every_batch():
     plain, accumulating = (forward_end(KIMI, gpu(2048, grad_accum=n)) for n in (1, 4))
-    assert accumulating.gradients - plain.gradients == KIMI.trainable * 4
+    assert plain.gradients == KIMI.trainable * 4 // 8  # the step before's, sharded
+    assert accumulating.gradients == KIMI.trainable * 4  # whole, between a group's batches
+    synced = forward_end(KIMI, gpu(2048, grad_accum=4, accumulate_whole=False))
+    assert synced.gradients == plain.gradients
 
 
 def test_checkpointing_keeps_a_fraction_of_the_kimi_step():
