@@ -167,11 +167,11 @@ def checkpointing_ratios(cases: list[Case]) -> dict[str, float]:
 
 
 def table(cases: list[Case], ratios: dict[str, float]) -> str:
-    rows = [f"{'shape':<18} {'ckpt':>4} {'measured MB':>11} {'planned MB':>10} {'ratio':>6}  {'planned peak at':<30} "
+    rows = [f"{'shape':<18} {'ckpt':>4} {'measured MB':>11} {'planned MB':>10} {'ratio':>6}  {'planned peak at':<44} "
             f"{'s/step':>6}"]
     for c in cases:
         rows.append(f"{c.shape:<18} {'on' if c.checkpointing else 'off':>4} {c.measured_bytes / MB:>11,.1f} "
-                    f"{c.planned_bytes / MB:>10,.1f} {c.ratio:>6.3f}  {c.planned_phase:<30} {c.seconds_per_step:>6.1f}")
+                    f"{c.planned_bytes / MB:>10,.1f} {c.ratio:>6.3f}  {c.planned_phase:<44} {c.seconds_per_step:>6.1f}")
     if ratios:
         rows.append("checkpointed / plain peak: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     return "\n".join(rows)

@@ -38,6 +38,7 @@ from common.target.int4_experts import PackedLinear
 from common.train.memory_plan import DraftDims, MemoryBreakdown, TrainSetup, peak_memory
 
 SPARE = 0.10  # of each GPU left free by the layout: fragmentation, peaks the model does not see
+LOW_SPARE = 0.05  # the least spare a layout is offered with when none keeps SPARE
 MIN_TOKENS_PER_STEP = 8192  # per rank and optimizer step (speculators' Kimi example trains 8,192-token packs)
 PACKS = (8192, 4096, 2048, 1024, 512)
 TRAINER_RUNTIME = 1.0e9  # a trainer rank's CUDA context and NCCL communicators: no tensor shows them
@@ -187,9 +188,8 @@ class Layout:
     def spare(self) -> float:
         return 1 - self.used / self.card.memory
 
-    @property
-    def fits(self) -> bool:
-        return self.spare >= SPARE
+    def fits(self, spare: float = SPARE) -> bool:
+        return self.spare >= spare
 
     @property
     def tokens_per_step(self) -> int:
@@ -204,11 +204,11 @@ def candidates(ranks: int, min_tokens: int = MIN_TOKENS_PER_STEP) -> list[TrainS
 
 
 def search_layout(card: Card, vllm: VllmShare | None, dims: DraftDims, ranks: int,
-                  setups: list[TrainSetup] | None = None) -> Layout | None:
-    """The first of `setups` (default `candidates`) that fits beside `vllm` with `SPARE` left, or None."""
+                  setups: list[TrainSetup] | None = None, spare: float = SPARE) -> Layout | None:
+    """The first of `setups` (default `candidates`) that fits beside `vllm` with `spare` left, or None."""
     for setup in setups or candidates(ranks):
         layout = Layout(card, vllm, trainer_share(dims, setup))
-        if layout.fits:
+        if layout.fits(spare):
             return layout
     return None
 
@@ -228,6 +228,11 @@ def what_to_change(card: Card, vllm: VllmShare, dims: DraftDims, ranks: int) -> 
         lines.append(f"accumulation that reduce-scatters every batch (under FSDP 04 keeps the whole fp32 gradient, "
                      f"{dims.trainable * 4 / 1e9:.1f} GB per rank, between a group's batches): {train_flags(s)} "
                      f"would fit ({synced.trainer.total / 1e9:.1f} GB per GPU, {synced.spare:.0%} spare): a trainer change")
+    tight = search_layout(card, vllm, dims, ranks, spare=LOW_SPARE)
+    if tight is not None:
+        lines.append(f"less spare: {train_flags(tight.trainer.setup)} leaves {tight.spare:.1%} of each GPU "
+                     f"({tight.used / 1e9:.1f} GB of {card.memory / 1e9:.1f} GB), the largest pack above "
+                     f"{LOW_SPARE:.0%}")
     lines.append("the trainer on a second host (two hosts, below)")
     return lines, fallback
 
@@ -328,11 +333,15 @@ def describe_host(card: Card, vllm: VllmShare, dims: DraftDims, text_config, gpu
         lines += describe_layout(layout, gpus)
     setup = layout.trainer.setup if layout is not None else gpu_setup(PACKS[0], gpus)
     r = rates(card, dims, setup, text_config, gpus)
-    lines += [f"  rate: prefill ~{r.prefill:,.0f} tokens/s (bound by {r.prefill_bound}), training "
-              f"~{r.train:,.0f} tokens/s (bound by {r.train_bound}); one host ~{r.shared:,.0f} tokens/s: "
-              f"500K x 2,048 tokens x 3 epochs in ~{hours(r.shared):.0f} h",
-              f"  two hosts (vLLM on one, the trainer on the other): ~{r.two_hosts:,.0f} tokens/s, "
-              f"~{hours(r.two_hosts):.0f} h"]
+    lines.append(f"  rate: prefill ~{r.prefill:,.0f} tokens/s (bound by {r.prefill_bound}), training "
+                 f"~{r.train:,.0f} tokens/s (bound by {r.train_bound}); one host ~{r.shared:,.0f} tokens/s: "
+                 f"500K x 2,048 tokens x 3 epochs in ~{hours(r.shared):.0f} h")
+    alone = search_layout(card, None, dims, gpus)  # the trainer with a host to itself
+    if alone is not None:
+        r2 = rates(card, dims, alone.trainer.setup, text_config, gpus)
+        lines.append(f"  two hosts (vLLM on one; the trainer on the other, {train_flags(alone.trainer.setup)}, "
+                     f"{alone.trainer.total / 1e9:.1f} GB per GPU): ~{r2.two_hosts:,.0f} tokens/s, "
+                     f"~{hours(r2.two_hosts):.0f} h")
     return lines
 
 
