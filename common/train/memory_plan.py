@@ -6,8 +6,8 @@
     print(plan.total, *plan.lines())
 
 A structural model, not a fit: every term is a tensor the training step holds, counted from the draft's
-shape (`DraftDims`) and the run's settings (`TrainSetup`), at the moments where the step's memory peaks
-(`PHASES`); the peak is the largest. bench/bench_04_memory.py measures the same step with `PeakTracker`
+shape (`DraftDims`) and the run's settings (`TrainSetup`), at each moment where the step's memory can
+peak (`phase_breakdowns`); the peak is the largest. bench/bench_04_memory.py measures the same step with `PeakTracker`
 at scaled shapes and compares (docs/kimi_k25.md holds the table).
 
 Where the bytes go (T tokens per pack, H hidden, V the draft vocabulary, S TTT steps, R ranks):
@@ -15,14 +15,16 @@ Where the bytes go (T tokens per pack, H hidden, V the draft vocabulary, S TTT s
 - Weights, gradients and optimizer state of what trains (fc, the decoder layers, their norms, the draft
   lm_head), fp32, 1/R of each on a rank under FSDP: 4 + 4 bytes per parameter, plus Muon's one momentum
   (4) on the layers' and fc's matrices and AdamW's two moments (8) on the rest. Gradients persist from
-  one step into the next forward (04 zeroes them after the forward), and under FSDP with --grad-accum
-  above 1 each rank also keeps the whole gradient, in fp32, between a group's batches
-  (`ProjectTrainer.train_step`: one reduce-scatter per optimizer step).
+  one step into the next forward (04 drops them after the forward; the backward makes new ones), and
+  under FSDP with --grad-accum above 1 each rank keeps the whole gradient, in fp32, between a group's
+  batches (`ProjectTrainer.train_step`: one reduce-scatter per optimizer step).
 - Frozen: the target's embedding (target vocabulary x H) and the verifier lm_head (V x H), built in
   fp32 by the library. Under FSDP each is a unit of its own (`common.train.distributed.shard_draft`):
-  1/R at rest, whole in bf16 only while it runs (FSDP's all-gather holds two whole copies for a moment).
-- Gathered: FSDP keeps the root unit (fc, the draft lm_head, the final norm) whole in bf16 from the
-  forward to the end of the backward; a layer unit is whole in bf16 while it runs. In one process under
+  1/R at rest; the embedding whole in bf16 only while it runs (FSDP's all-gather holds two whole copies
+  for a moment).
+- Gathered: FSDP keeps the root unit (fc, the draft lm_head, the final norm) and the verifier lm_head
+  whole in bf16 from their first call to the end of the backward; a layer unit is whole in bf16 while
+  it runs. In one process under
   bf16 autocast, the casts of the trained weights (cached by autocast) live as long as the graph.
 - The batch: T x 4H fp32 states (three auxiliary layers, the last layer) and three int64 rows.
 - The verifier's targets: its logits [T x V] and softmax p (kept by `DraftLoss` until the next batch).
@@ -32,13 +34,14 @@ Where the bytes go (T tokens per pack, H hidden, V the draft vocabulary, S TTT s
   output, 4 x intermediate in the SwiGLU MLP, the log-softmax over V, and the keys and values, which
   the cache concatenates: step k saves all (k+1) T of them. On CPUs patch's dense attention mask adds
   T x (k+1) T per step. With --activation-checkpointing (common/draft/forward.py) a step keeps only its
-  input and output states and its new keys and values, and the backward recomputes one step at a time.
+  input state and embeddings, its output normed state and its new keys and values, and the backward
+  recomputes one step (and one loss tile) at a time.
 - Transient: what lives only around the peak's moment (the last step's logits and the loss product at
   the forward's end, the loss gradients, FSDP's gathered layer and its gradients, the reduce-scatter
   buffer, the loss tiles and the recomputed step under checkpointing).
 
-Not counted here but in `HostMemory` (common/online/host_plan.py): the CUDA context and the caching
-allocator's slack, which no tensor shows.
+Not counted here but in common/online/host_plan.py's `TrainerShare`: the CUDA context, NCCL's
+buffers and the caching allocator's slack, which no tensor shows.
 """
 
 from __future__ import annotations
