@@ -315,10 +315,13 @@ class ProjectTrainer(Trainer):
         if self.scheduler is not None:
             self.scheduler.step()
         metrics = self.accumulated.mean()
+        # One tensor of every metric: one reduce over ranks and one wait for the device per step (the
+        # library reduces each metric and reads it with `.item()`: a dozen collectives and waits)
+        values = torch.stack([value.float() for value in metrics.values()])
         if self.is_distributed:
-            for value in metrics.values():
-                patch.AVERAGING_DIST.reduce(value, dst=0, op=dist.ReduceOp.AVG)
-        record = {"train": {k: v.item() for k, v in metrics.items()}, **record, "tokens": self.accumulated.tokens}
+            patch.AVERAGING_DIST.reduce(values, dst=0, op=dist.ReduceOp.AVG)
+        record = {"train": dict(zip(metrics, values.tolist(), strict=True)), **record,
+                  "tokens": self.accumulated.tokens}
         if self.track_every and (self.global_step + 1) % self.track_every == 0:
             record.update(step_extras(self.opt, grad_norm, self.train_loader.batch_sampler, self.local_rank))
         METRICS.info(record, extra={"step": self.global_step})
