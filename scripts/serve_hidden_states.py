@@ -5,6 +5,8 @@ engine (from .venv-vllm) that every torchrun rank of the trainer shares, on the 
 Usage:
     python scripts/serve_hidden_states.py --target /models/Kimi-K2.5 --trust-remote-code \
         --tensor-parallel-size 8 --gpu-memory-utilization 0.6 --max-model-len 8192 [--port 8100] [--host 0.0.0.0]
+        [--enforce-eager --kv-cache-memory-bytes B --max-num-batched-tokens N --max-num-seqs S]
+                                            # sharing the trainer's GPUs: the values plan_kimi_k25.py --online prints
     torchrun --nproc-per-node 8 04_train.py ... --online --engine vllm --vllm-url http://HOST:8100
 
 The layer ids (default 2 N//2 N-3, as 02 and 04) must be the ones 04 trains with; 04 checks them
@@ -37,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vLLM's share of each GPU (default: vLLM's 0.9)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="vLLM's KV cache per GPU, a fixed size in place of what --gpu-memory-utilization leaves "
+                             "(a prefill-only server needs one batch's: scripts/plan_kimi_k25.py --online sizes it)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: they speed decoding, which this server never does, and take memory")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's tokens per engine step")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's sequences per engine step")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve another host (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8100)
@@ -54,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     scratch = tempfile.mkdtemp(prefix="hidden-state-server-")  # the connector's files, deleted once sent
     settings.extract_layer_ids, settings.storage = [*layer_ids, info.num_layers], scratch
     settings.gpu_memory_utilization = args.gpu_memory_utilization
+    settings.kv_cache_bytes, settings.enforce_eager = args.kv_cache_memory_bytes, args.enforce_eager
+    settings.max_num_batched_tokens, settings.max_num_seqs = args.max_num_batched_tokens, args.max_num_seqs
     print(f"starting {settings.describe()} on http://{args.host}:{args.port} (scratch {scratch})", flush=True)
     os.chdir(REPO_ROOT)
     os.execve(str(python), [str(python), "-m", "common.vllm.state_server", settings.as_json(), "--host", args.host,

@@ -182,6 +182,13 @@ class EngineSettings:
     num_speculative_tokens: int = 0
     draft_sample_method: str = "greedy"  # how the draft proposes when sampling (vLLM's; see common.evaluate.decoding)
     gpu_memory_utilization: float | None = None  # vLLM's share of each GPU (default: vLLM's 0.9); unused on CPU
+    # A hidden-state server beside the trainer on the same GPUs (scripts/plan_kimi_k25.py --online prints
+    # these): a KV cache of a fixed size instead of what the share leaves (prefill only: no decode batch to
+    # hold), no CUDA graphs (they speed decoding, which it never does, and take memory), and its batch bounds.
+    kv_cache_bytes: int | None = None
+    enforce_eager: bool = False
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     target: TargetInfo | None = None  # the target's facts, for `check_servable` (not sent to the worker)
 
     @classmethod
@@ -193,7 +200,7 @@ class EngineSettings:
 
     def as_json(self) -> str:
         data = {k: v for k, v in self.__dict__.items() if k != "target"}
-        data["kv_cache_bytes"] = CPU_KV_CACHE_BYTES if self.device == "cpu" else None
+        data["kv_cache_bytes"] = CPU_KV_CACHE_BYTES if self.device == "cpu" else self.kv_cache_bytes
         return json.dumps(data)
 
     def describe(self) -> str:

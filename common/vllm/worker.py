@@ -36,10 +36,15 @@ def engine_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
         "tensor_parallel_size": settings["tensor_parallel_size"], "disable_log_stats": False,
         "seed": 0, "enable_prefix_caching": False,
     }
-    if settings.get("kv_cache_bytes"):  # on CPU a fixed size, not a share of the host's memory
+    if settings.get("kv_cache_bytes"):  # on CPU a fixed size, not a share of the host's memory; on GPUs if asked
         kwargs["kv_cache_memory_bytes"] = settings["kv_cache_bytes"]
     elif settings.get("gpu_memory_utilization"):  # 04 --online: the rest of each GPU trains the draft
         kwargs["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+    if settings.get("enforce_eager"):
+        kwargs["enforce_eager"] = True
+    for key in ("max_num_batched_tokens", "max_num_seqs"):
+        if settings.get(key):
+            kwargs[key] = settings[key]
     if settings["language_model_only"]:
         kwargs["language_model_only"] = True
     if settings.get("extract_layer_ids"):

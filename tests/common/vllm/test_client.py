@@ -124,6 +124,21 @@ def test_the_engine_s_share_of_each_gpu_reaches_vllm_on_a_gpu_only(infos):
         assert ("kv_cache_memory_bytes" in kwargs) == (device == "cpu")
 
 
+def test_a_server_beside_the_trainer_gets_the_plans_engine_settings(infos):
+    """serve_hidden_states.py's --kv-cache-memory-bytes, --enforce-eager, --max-num-batched-tokens and
+    --max-num-seqs reach vLLM on a GPU; unset, vLLM's defaults stand."""
+    from common.vllm.worker import engine_kwargs
+
+    settings = EngineSettings.for_target(infos["flat"], 2049, False)
+    settings.device = "cuda"
+    keys = ("kv_cache_memory_bytes", "enforce_eager", "max_num_batched_tokens", "max_num_seqs")
+    assert not set(keys) & set(engine_kwargs(json.loads(settings.as_json())))
+    settings.kv_cache_bytes, settings.enforce_eager = 575_668_224, True
+    settings.max_num_batched_tokens, settings.max_num_seqs = 4096, 16
+    kwargs = engine_kwargs(json.loads(settings.as_json()))
+    assert [kwargs[k] for k in keys] == [575_668_224, True, 4096, 16]
+
+
 def test_a_server_that_does_not_answer_is_retried_then_named(tmp_path):
     """A hidden-state server that accepts the connection and never answers (a hung engine): each
     request times out, is sent again `retries` times, then fails in one line naming the server."""
