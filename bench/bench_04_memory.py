@@ -3,6 +3,7 @@ common/train/memory_plan.py plans, at scaled draft shapes on CPU, with and witho
 checkpointing.
 
     python bench/bench_04_memory.py [--json FILE] [--fsdp] [--grad-accum N] [--shapes NAME ...]
+    torchrun --nproc-per-node 2 bench/bench_04_memory.py --fsdp [...]   # FSDP over 2 gloo ranks
 
 Each case trains `--steps` packed batches through 04's own `ProjectTrainer` (Muon, the KL loss at
 target temperature 0.5, the project's patch installed, common/draft/forward.py's forward when
@@ -15,14 +16,21 @@ gradients and one optimizer step on them (which makes Muon's and AdamW's state),
 measured is already at the steady peak. Batches are made one at a time as the loader hands them over.
 
 The shapes vary hidden size, draft vocabulary and pack size (`SHAPES`), large enough that weights and
-activations are hundreds of MB, small enough that a case takes seconds on two cores. Prints per case
-the measured and planned peak, their ratio (goal: within 15%) and the planned peak's phase, and per
+activations are hundreds of MB, small enough that a case takes seconds on two cores; the first three
+are bound by their activations, the last (`layer_bound`) has Kimi-K2.5's ratio of decoder-layer
+parameters to a 2,048-token pack's states, so that FSDP's units, their gathers and reduce-scatters
+and the optimizer step weigh in its peak as they do on the full draft. Prints per case the measured and
+planned peak, their ratio (goal: within 15%) and the planned peak's phase, and per activation-bound
 shape the checkpointed peak over the plain one (goal: at most 0.6); `--json` writes them.
 
-`--fsdp` runs the same cases under FSDP on one gloo rank (bf16 weights gathered as on GPUs, autocast
-on CPU): the sharded path's structure (units gathered, the root kept whole, the reduce-scatter), with
-world size 1 so that nothing is actually divided. `--grad-accum N` measures one optimizer step of N
-batches (04's --grad-accum: under FSDP the whole gradient is kept between them).
+`--fsdp` runs the same cases under FSDP (bf16 weights gathered as on GPUs, autocast on CPU): the
+sharded path's structure (units gathered, the root kept whole, the reduce-scatters, ShardedMuon's
+gathers). Started plainly it runs on one gloo rank, where nothing is divided and FSDP copies each
+shard into its unsharded parameter directly (no all-gather buffer); under `torchrun` on as many gloo
+ranks as it starts, where the collectives' buffers are real (all-gather outputs, reduce-scatter inputs
+kept until the next one) and each rank holds 1/world of the state: the measured peak is the largest
+rank's, the plan's is for that many ranks. `--grad-accum N` measures one optimizer step of N batches
+(04's --grad-accum: under FSDP each batch's gradients are reduce-scattered into the sharded ones).
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class BenchShape:
     target_vocab: int
     total_seq_len: int
     head_dim: int = 64
+    layer_bound: bool = False  # sized for the layer's FSDP terms, not for checkpointing's gain
 
     def dims(self) -> DraftDims:
         return DraftDims(self.hidden, 1, self.heads, self.heads, self.head_dim, self.intermediate, self.draft_vocab,
@@ -80,6 +89,9 @@ SHAPES = {s.name: s for s in (
     BenchShape("h256-v16k-t2048", 256, 4, 768, 16_000, 64_000, 2048),
     BenchShape("h512-v4k-t2048", 512, 4, 1536, 4_000, 32_000, 2048),
     BenchShape("h384-v8k-t1536", 384, 6, 1152, 8_000, 48_000, 1536),
+    # Kimi-K2.5's draft at 2,048 tokens scaled by 7: head width 128, the layer's 15M parameters ~58x
+    # the pack's tokens x hidden (Kimi: 0.81B, 55x), the vocabularies ~4 and ~23 x hidden
+    BenchShape("h1024-v4k-t256", 1024, 8, 2560, 4_000, 24_000, 256, head_dim=128, layer_bound=True),
 )}
 
 
@@ -94,6 +106,7 @@ class Case:
     total_seq_len: int
     checkpointing: bool
     fsdp: bool
+    ranks: int
     grad_accum: int
     measured_bytes: int
     planned_bytes: int
@@ -112,15 +125,23 @@ def prime(trainer: ProjectTrainer) -> None:
     trainer.opt.step()
 
 
-def plan_setup(shape: BenchShape, checkpointing: bool, fsdp: bool, grad_accum: int = 1) -> TrainSetup:
-    return TrainSetup(total_seq_len=shape.total_seq_len, ranks=1, precision="bf16" if fsdp else "fp32", device="cpu",
-                      checkpointing=checkpointing, fsdp=fsdp, grad_accum=grad_accum)
+def plan_setup(shape: BenchShape, checkpointing: bool, fsdp: bool, grad_accum: int = 1, ranks: int = 1) -> TrainSetup:
+    return TrainSetup(total_seq_len=shape.total_seq_len, ranks=ranks, precision="bf16" if fsdp else "fp32",
+                      device="cpu", checkpointing=checkpointing, fsdp=fsdp, grad_accum=grad_accum)
+
+
+def world() -> tuple[int, int]:
+    """(rank, ranks) of the process group, (0, 1) without one."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def run_case(shape: BenchShape, checkpointing: bool, fsdp: bool, steps: int, out: Path, grad_accum: int = 1) -> Case:
     """Build 04's trainer for `shape` and measure the peak of `steps` training batches (at least one
-    accumulation group)."""
+    accumulation group); over several ranks, the largest rank's peak."""
     steps = max(steps, grad_accum)
+    rank, ranks = world()
+    if ranks > 1:
+        out = out / f"rank{rank}"
     patch.apply(compile_forward=False, loss="kl", target_temperature=TARGET_TEMPERATURE,
                 activation_checkpointing=checkpointing)
     target = write_standin_target(out / f"target-{shape.hidden}-{shape.target_vocab}", shape.hidden,
@@ -147,17 +168,21 @@ def run_case(shape: BenchShape, checkpointing: bool, fsdp: bool, steps: int, out
     step_seconds = [b - a for a, b in zip(batches.times, batches.times[1:])]
     del trainer, model
     gc.collect()
-    planned = peak_memory(shape.dims(), plan_setup(shape, checkpointing, fsdp, grad_accum))
+    measured = tracker.peak
+    if ranks > 1:
+        peaks = torch.tensor([measured], dtype=torch.float64)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        measured = int(peaks.item())
+    planned = peak_memory(shape.dims(), plan_setup(shape, checkpointing, fsdp, grad_accum, ranks))
     return Case(shape.name, shape.hidden, shape.heads, shape.intermediate, shape.draft_vocab, shape.target_vocab,
-                shape.total_seq_len, checkpointing, fsdp, grad_accum, tracker.peak, planned.total,
-                tracker.peak / planned.total,
-                planned.phase, sum(step_seconds) / len(step_seconds))
+                shape.total_seq_len, checkpointing, fsdp, ranks, grad_accum, measured, planned.total,
+                measured / planned.total, planned.phase, sum(step_seconds) / len(step_seconds))
 
 
 def checkpointing_ratios(cases: list[Case]) -> dict[str, float]:
-    """Per shape, the checkpointed peak over the plain one, and the worst of them."""
+    """Per activation-bound shape, the checkpointed peak over the plain one, and the worst of them."""
     ratios = {}
-    for name in dict.fromkeys(c.shape for c in cases):
+    for name in dict.fromkeys(c.shape for c in cases if not SHAPES[c.shape].layer_bound):
         by_mode = {c.checkpointing: c.measured_bytes for c in cases if c.shape == name}
         if len(by_mode) == 2:
             ratios[name] = by_mode[True] / by_mode[False]
@@ -177,8 +202,11 @@ def table(cases: list[Case], ratios: dict[str, float]) -> str:
     return "\n".join(rows)
 
 
-def start_one_rank_group() -> None:
-    """A gloo process group of one rank, as torchrun would start it, for FSDP on this process."""
+def start_group() -> None:
+    """The gloo process group torchrun started, or one of one rank as torchrun would start it."""
+    if "LOCAL_RANK" in os.environ:
+        dist.init_process_group("gloo")
+        return
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29541"),
                        "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -194,20 +222,24 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.fsdp:
-        start_one_rank_group()
+        start_group()
+    main_rank = world()[0] == 0
     cases = []
     for name in args.shapes:
         for checkpointing in (False, True):
             cases.append(run_case(SHAPES[name], checkpointing, args.fsdp, args.steps, args.out, args.grad_accum))
-            print(table(cases[-1:], {}).splitlines()[-1], flush=True)
+            if main_rank:
+                print(table(cases[-1:], {}).splitlines()[-1], flush=True)
     ratios = checkpointing_ratios(cases)
-    print(table(cases, ratios))
     within = all(abs(c.ratio - 1) <= GOAL_RATIO for c in cases)
-    print(f"measured within {GOAL_RATIO:.0%} of planned at every case: {'yes' if within else 'NO'}; checkpointed peak "
-          f"at most {GOAL_CHECKPOINTING} of plain: {'yes' if ratios.get('worst', 1) <= GOAL_CHECKPOINTING else 'NO'}")
-    if args.json is not None:
-        write_json(args.json, {"device": "cpu", "fsdp": args.fsdp, "grad_accum": args.grad_accum, "steps": args.steps,
-                               "torch": torch.__version__,
+    if main_rank:
+        print(table(cases, ratios))
+        print(f"measured within {GOAL_RATIO:.0%} of planned at every case: {'yes' if within else 'NO'}; checkpointed "
+              f"peak at most {GOAL_CHECKPOINTING} of plain: "
+              f"{'yes' if ratios.get('worst', 1) <= GOAL_CHECKPOINTING else 'NO'}")
+    if args.json is not None and main_rank:
+        write_json(args.json, {"device": "cpu", "fsdp": args.fsdp, "ranks": world()[1], "grad_accum": args.grad_accum,
+                               "steps": args.steps, "torch": torch.__version__,
                                "shapes": [asdict(c) for c in cases], "checkpointing_peak_ratio": ratios,
                                "goal_ratio": GOAL_RATIO, "goal_checkpointing": GOAL_CHECKPOINTING})
         print(f"written to {args.json}")

@@ -222,12 +222,6 @@ def what_to_change(card: Card, vllm: VllmShare, dims: DraftDims, ranks: int) -> 
         s = fallback.trainer.setup
         lines.append(f"fewer tokens per optimizer step: {train_flags(s)} fits ({fallback.spare:.0%} spare) at "
                      f"{s.total_seq_len:,} tokens per rank per step (below)")
-    synced = search_layout(card, vllm, dims, ranks, [replace(s, accumulate_whole=False) for s in candidates(ranks)])
-    if synced is not None:
-        s = synced.trainer.setup
-        lines.append(f"accumulation that reduce-scatters every batch (under FSDP 04 keeps the whole fp32 gradient, "
-                     f"{dims.trainable * 4 / 1e9:.1f} GB per rank, between a group's batches): {train_flags(s)} "
-                     f"would fit ({synced.trainer.total / 1e9:.1f} GB per GPU, {synced.spare:.0%} spare): a trainer change")
     tight = search_layout(card, vllm, dims, ranks, spare=LOW_SPARE)
     if tight is not None:
         lines.append(f"less spare: {train_flags(tight.trainer.setup)} leaves {tight.spare:.1%} of each GPU "
@@ -259,16 +253,16 @@ def draft_flops_per_token(dims: DraftDims, setup: TrainSetup, sample_tokens: int
 
 def fsdp_bytes_per_pack(dims: DraftDims, setup: TrainSetup) -> float:
     """Bytes a rank's FSDP collectives move per packed batch (a ring moves (R - 1) / R of each): the
-    layers gathered in bf16 at each TTT step's forward and backward, the embedding (once: the steps read
-    the dataset's tokens), the verifier lm_head and the root unit once; the layers' gradients
-    reduce-scattered in fp32 after each step's backward, the root's once, per batch or, when a group
-    keeps its whole gradient, once per group."""
+    layers gathered in bf16 at each TTT step's forward and again for its backward (resharded after each),
+    the embedding once (checkpointed: the steps read the dataset's tokens) or at each step (the library's
+    forward), the verifier lm_head and the root unit once; the gradients reduce-scattered in fp32 once
+    per batch, each unit's (autograd sums a layer's over the TTT steps before FSDP sees them;
+    common/train/memory_plan.py's `Step`), into the sharded gradient a --grad-accum group adds up."""
     r = setup.ranks
     layers = sum(dims.layer_params(i) for i in range(dims.layers))
-    gathers = 2 * (2 * setup.ttt_steps * layers + dims.embedding + dims.verifier_head + dims.root_unit)
-    scatters = 4 * (setup.ttt_steps * layers + dims.root_unit)
-    if setup.accumulate_whole:
-        scatters /= setup.grad_accum
+    lookups = 1 if setup.checkpointing else setup.ttt_steps
+    gathers = 2 * (2 * setup.ttt_steps * layers + lookups * dims.embedding + dims.verifier_head + dims.root_unit)
+    scatters = 4 * (layers + dims.root_unit)
     return (r - 1) / r * (gathers + scatters)
 
 

@@ -7,25 +7,27 @@
 
 A structural model, not a fit: every term is a tensor the training step holds, counted from the draft's
 shape (`DraftDims`) and the run's settings (`TrainSetup`), at each moment where the step's memory can
-peak (`phase_breakdowns`); the peak is the largest. bench/bench_04_memory.py measures the same step with `PeakTracker`
-at scaled shapes and compares (docs/kimi_k25.md holds the table).
+peak (`phase_breakdowns`); the peak is the largest. bench/bench_04_memory.py measures the same step with
+`PeakTracker` at scaled shapes, in one process and under FSDP over one and two gloo ranks, and compares
+(docs/kimi_k25.md holds the tables).
 
 Where the bytes go (T tokens per pack, H hidden, V the draft vocabulary, S TTT steps, R ranks):
 
 - Weights, gradients and optimizer state of what trains (fc, the decoder layers, their norms, the draft
   lm_head), fp32, 1/R of each on a rank under FSDP: 4 + 4 bytes per parameter, plus Muon's one momentum
   (4) on the layers' and fc's matrices and AdamW's two moments (8) on the rest. Gradients persist from
-  one step into the next forward (04 drops them after the forward; the backward makes new ones), and
-  under FSDP with --grad-accum above 1 each rank keeps the whole gradient, in fp32, between a group's
-  batches (`ProjectTrainer.train_step`: one reduce-scatter per optimizer step).
+  one step into the next forward (04 drops them after the forward; the backward makes new ones); under
+  FSDP a rank holds only its share of them, also between a --grad-accum group's batches (each batch's
+  are reduce-scattered into it: `ProjectTrainer.train_step`).
 - Frozen: the target's embedding (target vocabulary x H) and the verifier lm_head (V x H), built in
   fp32 by the library. Under FSDP each is a unit of its own (`common.train.distributed.shard_draft`):
-  1/R at rest; the embedding whole in bf16 only while it runs (FSDP's all-gather holds two whole copies
-  for a moment).
+  1/R at rest; the embedding whole in bf16 only while a forward looks it up (its all-gather output and
+  the unsharded copy for a moment), never in the backward.
 - Gathered: FSDP keeps the root unit (fc, the draft lm_head, the final norm) and the verifier lm_head
-  whole in bf16 from their first call to the end of the backward; a layer unit is whole in bf16 while
-  it runs. In one process under
-  bf16 autocast, the casts of the trained weights (cached by autocast) live as long as the graph.
+  whole in bf16 from their first call to the end of the backward. A decoder layer is three units, its
+  attention and its MLP inside the layer's own (its norms): what FSDP2 holds of them, gathered, kept
+  after a gather, and of their gradients, is `Step`'s docstring. In one process under bf16 autocast,
+  the casts of the trained weights (cached by autocast) live as long as the graph.
 - The batch: T x 4H fp32 states (three auxiliary layers, the last layer) and three int64 rows.
 - The verifier's targets: its logits [T x V] and softmax p (kept by `DraftLoss` until the next batch).
 - Saved activations, per TTT step and token, counted from the EAGLE-3 first layer (a Llama decoder
@@ -33,12 +35,13 @@ Where the bytes go (T tokens per pack, H hidden, V the draft vocabulary, S TTT s
   input (2H each), four RMS norms' inputs and normed values, the residual sums, q and the attention
   output, 4 x intermediate in the SwiGLU MLP, the log-softmax over V, and the keys and values, which
   the cache concatenates: step k saves all (k+1) T of them. On CPUs patch's dense attention mask adds
-  T x (k+1) T per step. With --activation-checkpointing (common/draft/forward.py) a step keeps only its
-  input state and embeddings, its output normed state and its new keys and values, and the backward
-  recomputes one step (and one loss tile) at a time.
+  T x (k+1) T per step (and stays for the next batch). With --activation-checkpointing
+  (common/draft/forward.py) a step keeps only its input state and embeddings, its output normed state
+  and its new keys and values, and the backward recomputes one step (and one loss tile) at a time.
 - Transient: what lives only around the peak's moment (the last step's logits and the loss product at
-  the forward's end, the loss gradients, FSDP's gathered layer and its gradients, the reduce-scatter
-  buffer, the loss tiles and the recomputed step under checkpointing).
+  the forward's end, the loss gradients, the loss tiles and the recomputed step under checkpointing;
+  under FSDP the layer's parts gathered, the all-gather output FSDP keeps, the layer's gradients summed
+  over the TTT steps, the reduce-scatter buffers; the optimizer step's temporaries).
 
 Not counted here but in common/online/host_plan.py's `TrainerShare`: the CUDA context, NCCL's
 buffers and the caching allocator's slack, which no tensor shows.
@@ -116,6 +119,24 @@ class DraftDims:
     def layer_params(self, index: int) -> int:
         return sum(self.layer_matrices(index == 0)) + self.layer_norms(index == 0)
 
+    def layer_parts(self, index: int) -> list[list[int]]:
+        """The FSDP units inside decoder layer `index`, in forward order, as their matrices' elements:
+        the attention's (q, k, v, o) and the MLP's (gate, up, down); the norms stay in the layer's own
+        unit (`common.train.distributed.shard_draft`)."""
+        matrices = self.layer_matrices(index == 0)
+        return [matrices[:4], matrices[4:]]
+
+    def matrix_shapes(self) -> list[tuple[int, int]]:
+        """(rows, columns) of the matrices Muon steps, as nn.Linear holds them [out x in]: fc's, then each
+        layer's q, k, v, o, gate, up, down."""
+        shapes = [(self.hidden, 3 * self.hidden)]
+        for i in range(self.layers):
+            width = 2 * self.hidden if i == 0 else self.hidden
+            shapes += [(self.q_width, width), (self.kv_width, width), (self.kv_width, width),
+                       (self.hidden, self.q_width), (self.intermediate, self.hidden), (self.intermediate, self.hidden),
+                       (self.hidden, self.intermediate)]
+        return shapes
+
     @property
     def fc(self) -> int:
         return 3 * self.hidden * self.hidden
@@ -166,9 +187,6 @@ class TrainSetup:
     checkpointing: bool = False
     grad_accum: int = 1
     fsdp: bool | None = None  # None: FSDP when ranks > 1 (torchrun); True also for one rank under torchrun
-    # Under FSDP with grad_accum > 1, each rank keeps the whole gradient in fp32 between a group's batches
-    # and reduce-scatters once per group (ProjectTrainer.train_step); False: reduce-scattered every batch.
-    accumulate_whole: bool = True
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("optimizer", self.optimizer, OPTIMIZERS), ("precision", self.precision, PRECISIONS),
@@ -332,10 +350,12 @@ GATHER_LAYER = "layer gathered at the last TTT step"
 FORWARD_END = "forward end"
 BACKWARD_START = "backward start"
 LAYER_BACKWARD = "the last TTT step's layer backward"
-REDUCE_SCATTER = "first reduce-scatter"
+EARLIER_LAYER_BACKWARD = "an earlier TTT step's layer backward"
+REDUCE_SCATTER = "the layer's reduce-scatters"
 TILE_RECOMPUTED = "the last TTT step's loss tile recomputed"
 EARLIER_TILE_RECOMPUTED = "an earlier TTT step's loss tile recomputed"
-STEP_RECOMPUTED = "checkpointed step recomputed"
+LAST_STEP_RECOMPUTED = "the last TTT step recomputed"
+STEP_RECOMPUTED = "an earlier TTT step recomputed"
 OPTIMIZER_STEP = "optimizer step"
 
 
@@ -349,22 +369,21 @@ class Static:
 
 
 def static_terms(dims: DraftDims, setup: TrainSetup) -> Static:
-    """What the rank holds through the forward, whatever the pack (the gradients of the step before)."""
+    """What the rank holds through the forward, whatever the pack: weights, the step before's gradients
+    (under FSDP this rank's share, also between a --grad-accum group's batches: each batch's are
+    reduce-scattered into it), optimizer state, frozen weights, and what stays gathered."""
     r = setup.ranks if setup.sharded else 1
     trainable = dims.trainable
     moments = dims.muon_params * FP32 + (trainable - dims.muon_params) * 2 * FP32 if setup.optimizer == "muon" \
         else trainable * 2 * FP32
-    # the step before's, or under FSDP with accumulation the whole gradient kept between a group's batches
-    whole = setup.sharded and setup.grad_accum > 1 and setup.accumulate_whole
-    gradients = trainable * FP32 if whole else trainable * FP32 // r
     if setup.sharded:  # the root unit and the verifier lm_head stay gathered to the end of the backward
         gathered = (dims.root_unit + dims.verifier_head) * BF16
     elif setup.precision == "bf16":
         gathered = trainable * BF16  # autocast's cached casts of the trained weights
     else:
         gathered = 0
-    return Static(trainable * FP32 // r, gradients, moments // r, (dims.embedding + dims.verifier_head) * FP32 // r,
-                  gathered)
+    return Static(trainable * FP32 // r, trainable * FP32 // r, moments // r,
+                  (dims.embedding + dims.verifier_head) * FP32 // r, gathered)
 
 
 def batch_bytes(dims: DraftDims, setup: TrainSetup) -> int:
@@ -382,7 +401,27 @@ def batch_bytes(dims: DraftDims, setup: TrainSetup) -> int:
 
 @dataclass(frozen=True)
 class Step:
-    """What the phases of one training step share: the draft, the setup, their dtypes and sizes."""
+    """What the phases of one training step share: the draft, the setup, their dtypes and sizes.
+
+    Under FSDP (`common.train.distributed.shard_draft`, torch's FSDP2) a decoder layer is three units:
+    its attention and its MLP (`parts`, in forward order) inside the layer's own unit, which holds only
+    its norms. What FSDP2 does with them, and so what the terms below count (R ranks, bf16 weights):
+
+    - A unit's gather allocates its all-gather output (whole), copies it out into the unsharded
+      parameters (whole) and, in a forward, keeps the output until the next unit's copy-out is done
+      (its implicit prefetch): the previous unit's output, this one's and its unsharded weights for a
+      moment (`gather`). The last unit a forward gathers is the MLP; its output stays until the next forward
+      gather: through the loss and, in the plain step, the whole backward (`retained`). On one rank
+      there is no all-gather buffer: each parameter's bf16 copy is written into the unsharded weights.
+    - A checkpointed step's recompute runs inside the backward, where FSDP does not reshard after
+      forward, and the backward prefetches the attention while the MLP runs: both parts are whole
+      while a layer's backward runs (`gathered_layer`).
+    - The TTT steps call the layer S times. Autograd sums a weight's gradients over the S calls before
+      it reaches the weight, so FSDP's post-backward finds them only at the first step's backward (the
+      last one run): until then each part's gradient is held whole in bf16 (`layer_grads`), then
+      reduce-scattered once per batch, part by part (`reduce_scatter`): its bf16 gradients, their fp32
+      copy (kept until the next unit's reduce-scatter starts) and this rank's fp32 share, added into
+      the sharded gradient."""
 
     dims: DraftDims
     setup: TrainSetup
@@ -399,6 +438,10 @@ class Step:
         return self.setup.total_seq_len
 
     @property
+    def r(self) -> int:
+        return self.setup.ranks
+
+    @property
     def tokens_x_vocab(self) -> int:
         return self.t * self.dims.draft_vocab
 
@@ -407,21 +450,62 @@ class Step:
         return max(self.dims.layer_params(i) for i in range(self.dims.layers))
 
     @property
+    def parts(self) -> list[list[int]]:
+        """The largest layer's FSDP parts (attention, MLP), each as its matrices' elements."""
+        index = max(range(self.dims.layers), key=self.dims.layer_params)
+        return self.dims.layer_parts(index)
+
+    @property
     def state(self) -> int:
         """One [T x H] tensor of the residual stream."""
         return self.t * self.dims.hidden * self.d.stream
 
-    def gather(self, params: int) -> int:
-        """An FSDP unit's all-gather: its output and the unsharded copy, whole in bf16, for a moment."""
-        return 2 * params * BF16 if self.setup.sharded else 0
+    def gather(self, params: list[int], before: int = 0) -> int:
+        """An FSDP unit's gather at its largest (its parameters' elements `params`; `before`: the
+        elements of the unit gathered before it in a forward, whose all-gather output FSDP frees when
+        this one's copy-out is done): over R > 1 ranks the previous output, this one's and the unsharded
+        weights; on one rank the unsharded weights and one parameter's bf16 copy."""
+        if not self.setup.sharded:
+            return 0
+        n = sum(params)
+        if self.r == 1:
+            return (n + max(params)) * BF16
+        return (before + 2 * n) * BF16
+
+    @property
+    def layer_gather(self) -> int:
+        """A forward's gather of the layer's parts, one after the other (the attention after the layer's
+        own unit, its norms; the MLP after the attention)."""
+        norms = self.dims.layer_norms(True)
+        befores = [norms, *map(sum, self.parts[:-1])]
+        return max(self.gather(part, before) for part, before in zip(self.parts, befores))
+
+    @property
+    def retained(self) -> int:
+        """The last part's all-gather output, kept after a forward's gather (R > 1 only)."""
+        return sum(self.parts[-1]) * BF16 if self.setup.sharded and self.r > 1 else 0
+
+    @property
+    def gathered_layer(self) -> int:
+        """Every part of the layer whole in bf16, as in a layer's backward under FSDP."""
+        return self.layer * BF16 if self.setup.sharded else 0
+
+    @property
+    def layer_grads(self) -> int:
+        """The layer's weight gradients summed over the TTT steps, whole in bf16 (FSDP)."""
+        return self.layer * BF16 if self.setup.sharded else 0
 
     @property
     def layer_backward(self) -> int:
-        """A layer's backward: under FSDP its weights gathered again and its bf16 gradients; in one bf16
-        process autocast's bf16 gradient of the largest matrix and its fp32 copy."""
-        if self.setup.sharded:
-            return 2 * self.layer * BF16
+        """One process in bf16: autocast's bf16 gradient of the largest matrix and its fp32 copy."""
         return self.dims.largest_matrix * (BF16 + FP32) if self.setup.precision == "bf16" else 0
+
+    @property
+    def first_layer_backward(self) -> int:
+        """Under FSDP, the backward of the last TTT step's layer (the first run): both parts whole,
+        the MLP's gradients, then the attention's beside the MLP's (held by autograd, resharded)."""
+        attention, mlp = map(sum, self.parts)
+        return max(self.layer + mlp, 2 * attention + mlp) * BF16
 
     @property
     def root_grads(self) -> int:
@@ -429,18 +513,31 @@ class Step:
         return self.dims.root_unit * BF16 if self.setup.sharded else 0
 
     def reduce_scatter(self) -> int:
-        """A layer's reduce-scatter: its bf16 gradients, their fp32 copy sent, this rank's fp32 share."""
-        return self.layer * (BF16 + FP32 + FP32 // self.setup.ranks)
+        """The first TTT step's layer backward under FSDP, from the MLP's reduce-scatter on (module
+        docstring): each part, last first, reduce-scattered (its bf16 gradients, their fp32 copy, this
+        rank's fp32 share) beside the earlier parts, still whole with their gradients, and the last
+        part's retained all-gather output; each part's backward beside the fp32 copy of the part
+        reduce-scattered before it."""
+        worst, copy = 0, 0
+        sizes = [sum(part) for part in self.parts]
+        for j in reversed(range(len(sizes))):
+            earlier = 2 * sum(sizes[:j]) * BF16 + self.retained
+            own = sizes[j]
+            if copy:
+                worst = max(worst, earlier + 2 * own * BF16 + copy)
+            worst = max(worst, earlier + own * (BF16 + FP32) + -(-own * FP32 // self.r))
+            copy = own * FP32
+        return worst
 
     def backward_gradients(self, after_layer: bool) -> int:
         """The gradients alive in the backward: 04 drops the step before's after the forward (all of them
-        stay while a --grad-accum group accumulates); the new ones appear as the backward reaches each
-        weight (the lm_head first, the layers `after_layer`, fc last); FSDP's sharded ones at each
-        unit's reduce-scatter."""
+        stay while a --grad-accum group accumulates); in one process the new ones appear as the backward
+        reaches each weight (the lm_head first, the layers `after_layer`, fc last); under FSDP the
+        sharded ones only at the reduce-scatters (until then the layer's are `layer_grads`)."""
         if self.setup.grad_accum > 1:
             return self.static.gradients
         if self.setup.sharded:
-            return self.layer * FP32 // self.setup.ranks if after_layer else 0
+            return 0
         layers = sum(self.dims.layer_params(i) for i in range(self.dims.layers)) if after_layer else 0
         return (self.dims.lm_head + layers) * FP32
 
@@ -460,24 +557,37 @@ def plain_phases(c: Step) -> list[MemoryBreakdown]:
     saved = plain_activations(dims, c.setup, d, steps)
     before_last = plain_activations(dims, c.setup, d, steps - 1)
     last_loss = t * dims.draft_vocab * d.softmax  # the last step's log-softmax, freed by the loss's backward
+    state_grads = 2 * t * dims.hidden * FP32
+    sharded = c.setup.sharded
+    # the embedding (each step looks up, after the step before's MLP) or a layer part gathered
+    gather = max(c.gather([dims.embedding], sum(c.parts[-1]) if steps > 1 else 0), c.layer_gather)
     phases = [
-        # the embedding (each step looks up) or the layer gathered, every earlier step saved
-        c.at(GATHER_EMBEDDING, targets=targets, activations=before_last,
-             transient=c.gather(max(dims.embedding, c.layer))),
+        # every earlier step saved
+        c.at(GATHER_EMBEDDING, targets=targets, activations=before_last, transient=gather),
         # the last step's logits and the KL's product [T x V] beside the verifier's; its embeddings and
         # output state, the loop's locals
         c.at(FORWARD_END, targets=targets, activations=saved,
-             transient=v * (d.matmul + (FP32 if d.softmax == FP32 else d.matmul)) + 2 * c.state),
+             transient=v * (d.matmul + (FP32 if d.softmax == FP32 else d.matmul)) + 2 * c.state + c.retained),
         # the loss's two [T x V] gradients (through the log-softmax)
         c.at(BACKWARD_START, gradients=c.backward_gradients(False), targets=v * d.softmax, activations=saved,
-             transient=2 * v * d.softmax + c.root_grads),
+             transient=2 * v * d.softmax + c.root_grads + c.retained),
         # the layer's weights and gradients beside the states' gradients
         c.at(LAYER_BACKWARD, gradients=c.backward_gradients(False), targets=v * d.softmax,
-             activations=saved - last_loss, transient=c.layer_backward + c.root_grads + 2 * t * dims.hidden * FP32),
+             activations=saved - last_loss,
+             transient=(c.first_layer_backward + c.retained if sharded else c.layer_backward) + c.root_grads
+             + state_grads),
     ]
-    if c.setup.sharded:
-        phases.append(c.at(REDUCE_SCATTER, gradients=c.backward_gradients(False), targets=v * d.softmax,
-                           activations=before_last, transient=c.reduce_scatter() + c.root_grads))
+    if sharded:
+        phases += [
+            # the step before's layer: both parts whole beside the layer's gradients of the later steps
+            c.at(EARLIER_LAYER_BACKWARD, gradients=c.backward_gradients(False), targets=v * d.softmax,
+                 activations=before_last - last_loss,
+                 transient=c.gathered_layer + c.layer_grads + c.retained + c.root_grads + state_grads),
+            # the first step's layer (the last backward), its parts reduce-scattered from the MLP's on: the
+            # step's own activations left, but for its loss's and its MLP's
+            c.at(REDUCE_SCATTER, gradients=c.backward_gradients(False), targets=v * d.softmax,
+                 activations=plain_activations(dims, c.setup, d, 1) - last_loss - t * 4 * dims.intermediate * d.matmul,
+                 transient=c.reduce_scatter() + c.root_grads + state_grads)]
     return phases
 
 
@@ -490,33 +600,55 @@ def checkpointed_phases(c: Step) -> list[MemoryBreakdown]:
     held = steps * kept + mask
     tile = tile_transient(dims, d, min(TILE_TOKENS, t))
     # one step's activations as the plain forward saves them, but for the loss (in the tiles)
-    recomputed = (step_saved(dims, c.setup, d) - dims.draft_vocab * d.softmax
-                  - dims.hidden * (d.matmul if d.linear_input_copies > 1 else d.normed)) * t \
-        + kv_saved(dims, d, t, steps - 1)
+    per_token = (step_saved(dims, c.setup, d) - dims.draft_vocab * d.softmax
+                 - dims.hidden * (d.matmul if d.linear_input_copies > 1 else d.normed))
+
+    def recomputed(step: int) -> int:
+        return per_token * t + kv_saved(dims, d, t, step)
+
     # gradients the backward holds for what the steps kept: the output and normed states' ([T x H]
     # each) and the keys' and values' of every step (slices of the last step's [S T x kv] gradient)
-    kept_grads = t * (2 * dims.hidden * d.stream + steps * dims.layers * 2 * dims.kv_width * d.matmul)
+    output_grads = t * 2 * dims.hidden * d.stream
+    kept_grads = output_grads + t * steps * dims.layers * 2 * dims.kv_width * d.matmul
     embeddings = c.state  # the dataset's tokens' embeddings, the forward's local
+    mlp_saved = t * 4 * dims.intermediate * d.matmul  # the MLP's gate, silu(gate), up and their product
     phases = [
-        c.at(GATHER_EMBEDDING, transient=c.gather(dims.embedding) + c.state),
+        # after the root's gather (fc and the lm_heads' first)
+        c.at(GATHER_EMBEDDING, transient=c.gather([dims.embedding], dims.root_unit) + c.state),
         c.at(GATHER_LAYER, activations=(steps - 1) * kept + mask_saved(d, t, max(steps - 2, 0)),
-             transient=embeddings + c.gather(c.layer)),
+             transient=embeddings + c.layer_gather),
         # the last step's output state and one loss tile's tensors
-        c.at(FORWARD_END, activations=held, transient=embeddings + c.state + tile),
+        c.at(FORWARD_END, activations=held, transient=embeddings + c.state + tile + c.retained),
         # the backward's first tiles: every step kept, the normed state's gradient growing
         c.at(TILE_RECOMPUTED, gradients=c.backward_gradients(False), activations=held,
-             transient=tile + c.state + c.root_grads),
-        # an earlier step's tiles: the last step's kept tensors freed, the gradients of the earlier ones held
-        c.at(EARLIER_TILE_RECOMPUTED, gradients=c.backward_gradients(True), activations=held - kept,
-             transient=kept_grads + tile + c.root_grads),
-        # a step recomputed: its own saved activations beside the gradients held
-        c.at(STEP_RECOMPUTED, gradients=c.backward_gradients(True), activations=held,
-             transient=recomputed + kept_grads + c.layer_backward + c.root_grads),
+             transient=tile + c.state + c.root_grads + c.retained),
     ]
-    if c.setup.sharded:
-        phases.append(c.at(REDUCE_SCATTER, gradients=c.backward_gradients(False), activations=held,
-                           transient=kept_grads + c.reduce_scatter() + c.root_grads))
-    return phases
+    if not c.setup.sharded:
+        return [*phases,
+                # an earlier step's tiles: the last step's kept tensors freed, the gradients of the earlier ones held
+                c.at(EARLIER_TILE_RECOMPUTED, gradients=c.backward_gradients(True), activations=held - kept,
+                     transient=kept_grads + tile + c.root_grads),
+                # a step recomputed: its own saved activations beside the gradients held
+                c.at(STEP_RECOMPUTED, gradients=c.backward_gradients(True), activations=held,
+                     transient=recomputed(steps - 1) + kept_grads + c.layer_backward + c.root_grads)]
+    grads = c.backward_gradients(False)
+    return [
+        *phases,
+        # the last step recomputed: its layer whole (and the MLP's gradients as its backward starts)
+        c.at(LAST_STEP_RECOMPUTED, gradients=grads, activations=held,
+             transient=recomputed(steps - 1) + output_grads + c.gathered_layer + sum(c.parts[-1]) * BF16 + c.retained
+             + c.root_grads),
+        # an earlier step's tiles: the last step's kept tensors freed, the layer's gradients held whole
+        c.at(EARLIER_TILE_RECOMPUTED, gradients=grads, activations=held - kept,
+             transient=kept_grads + tile + c.layer_grads + c.retained + c.root_grads),
+        # the step before the last recomputed: its layer whole beside the later steps' layer gradients
+        c.at(STEP_RECOMPUTED, gradients=grads, activations=held - kept,
+             transient=recomputed(max(steps - 2, 0)) + kept_grads + c.gathered_layer + c.layer_grads + c.retained + c.root_grads),
+        # the first step (the last backward): its layer's parts reduce-scattered, from the MLP's on (its
+        # own saved activations freed)
+        c.at(REDUCE_SCATTER, gradients=grads, activations=kept + mask,
+             transient=recomputed(0) - mlp_saved + kept_grads + c.reduce_scatter() + c.root_grads),
+    ]
 
 
 def peak_memory(dims: DraftDims, setup: TrainSetup) -> MemoryBreakdown:
@@ -526,23 +658,63 @@ def peak_memory(dims: DraftDims, setup: TrainSetup) -> MemoryBreakdown:
 
 def phase_breakdowns(dims: DraftDims, setup: TrainSetup) -> list[MemoryBreakdown]:
     """The rank's memory at each moment where it can peak: FSDP's gathers and the loss at the last TTT
-    step, the backward's start and its layer, the first reduce-scatter (FSDP), the recomputed tiles
-    and steps (checkpointing), and the optimizer step (the gradients whole, no activations)."""
+    step, the backward's start and the layer's backwards (the last step's, an earlier one's, the first
+    step's with the reduce-scatters, under FSDP), the recomputed tiles and steps (checkpointing), and
+    the optimizer step (the gradients whole, no activations)."""
     c = Step.of(dims, setup)
     phases = checkpointed_phases(c) if setup.checkpointing else plain_phases(c)
     p = 0 if setup.checkpointing else c.tokens_x_vocab * c.d.softmax  # DraftLoss keeps the batch's p
-    return [*phases, c.at(OPTIMIZER_STEP, gathered=0, batch=0, targets=p, transient=optimizer_transient(dims, setup))]
+    # the batch's states and ids stay the step's locals (ProjectTrainer.train_step); on CPUs patch keeps
+    # its dense mask for the next batch
+    batch = setup.total_seq_len * (4 * dims.hidden * FP32 + 3 * INT64)
+    mask = mask_saved(c.d, setup.total_seq_len, setup.ttt_steps - 1)
+    return [*phases, c.at(OPTIMIZER_STEP, gathered=0, batch=batch, targets=p,
+                          transient=mask + optimizer_transient(dims, setup))]
 
 
 def optimizer_transient(dims: DraftDims, setup: TrainSetup) -> int:
-    """The optimizer step's temporaries: Muon orthogonalises one matrix at a time (its Nesterov update
-    in fp32 and Newton-Schulz iterates in bf16; under FSDP the matrix gathered whole); AdamW's foreach
-    step on GPUs makes a temporary of its group's shard."""
-    largest = dims.largest_matrix
-    muon = largest * (FP32 + 3 * BF16 + (FP32 if setup.sharded else 0))
+    """The optimizer step's temporaries at their largest, one member after the other: the gradients'
+    clipping (under FSDP a temporary of this rank's gradients, DTensor's norm; in place otherwise), Muon (in one process torch's, one matrix at a time:
+    its Nesterov update in fp32 and the Newton-Schulz iterates in bf16; under FSDP `ShardedMuon`:
+    `sharded_muon_transient`), AdamW (on GPUs its foreach step makes a temporary of its group's shard;
+    on CPUs one parameter at a time, the largest the lm_head: sqrt of its second moment and that over
+    the bias correction)."""
+    r = setup.ranks if setup.sharded else 1
+    if setup.optimizer != "muon":
+        muon = 0
+    elif setup.sharded:
+        muon = sharded_muon_transient(dims, r)
+    else:
+        muon = dims.largest_matrix * (FP32 + 3 * BF16)
     adamw_group = dims.lm_head + dims.hidden * (dims.layers * 3 + 1)
-    adamw = (adamw_group * FP32 // (setup.ranks if setup.sharded else 1)) if setup.device == "cuda" else dims.lm_head * FP32
-    return (muon if setup.optimizer == "muon" else 0) + adamw
+    adamw = adamw_group * FP32 // r if setup.device == "cuda" else 2 * dims.lm_head * FP32 // r
+    clip = dims.trainable * FP32 // r if setup.sharded else 0
+    return max(clip, muon, adamw)
+
+
+def sharded_muon_transient(dims: DraftDims, ranks: int) -> int:
+    """`common.train.optimizers.ShardedMuon`'s step on the rank that owns the most: every matrix's
+    Nesterov update of this rank's rows (fp32), their bf16 copies sent to the owners and the rows
+    received back (bf16), and for each matrix it owns the whole update gathered and the padded result
+    it scatters (bf16, both kept by their requests to the step's end); while it orthogonalises one, the
+    Newton-Schulz iteration's two iterates of that matrix and its two Gram matrices (bf16)."""
+    from common.train.optimizers import assign_owners, ns_cost
+
+    shapes = dims.matrix_shapes()
+    chunks = [-(-rows // ranks) * cols for rows, cols in shapes]  # each rank's rows, padded to one chunk
+    shared = sum(chunks) * (FP32 + 2 * BF16)
+    owners = assign_owners([torch.Size(s) for s in shapes], ranks)
+    worst = 0
+    for rank in range(ranks):
+        owned = [i for i, owner in enumerate(owners) if owner == rank]
+        if not owned:
+            continue
+        wholes = sum(chunks[i] * ranks for i in owned) * 2 * BF16
+        largest = max(owned, key=lambda i: (shapes[i][0] * shapes[i][1], ns_cost(torch.Size(shapes[i]))))
+        rows, cols = shapes[largest]
+        iteration = (2 * rows * cols + 2 * min(rows, cols) ** 2) * BF16
+        worst = max(worst, wholes + iteration)
+    return shared + worst
 
 
 # --- measuring ---

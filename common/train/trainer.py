@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.train.trainer import Trainer, TrainerConfig
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from common.atomic import TMP_PREFIX, remove_stale_temporaries
@@ -222,8 +221,9 @@ class ProjectTrainer(Trainer):
         return optimizer_steps(len(self.train_loader), self.grad_accum)
 
     def setup_model(self) -> None:
-        """Single process: the library's. Under torchrun: `shard_draft` (the library's sharding,
-        started from the draft's own initial weights, the frozen target weights kept sharded)."""
+        """Single process: the library's. Under torchrun: `shard_draft` (FSDP2 units of each layer's
+        attention and MLP, started from the draft's own initial weights, the frozen target weights kept
+        sharded)."""
         if not self.is_distributed:
             super().setup_model()
             return
@@ -289,9 +289,14 @@ class ProjectTrainer(Trainer):
         exactly. An epoch whose batches `grad_accum` does not divide ends with a shorter group, its
         losses scaled by 1/(its own count): every step takes the mean over the batches it saw.
 
-        Under FSDP the gradients of a group's earlier batches stay whole on each rank (accumulated in
-        fp32, FSDP's reduce dtype) and are reduce-scattered once, after its last batch: one exchange
-        per step instead of one per batch, for a whole gradient's memory held between them."""
+        Under FSDP every batch's gradients are reduce-scattered as its backward produces them, unit by
+        unit, and FSDP adds each rank's share into the sharded gradient the group's earlier batches left
+        (`torch.distributed.fsdp`'s post-backward: a sharded `.grad` is accumulated into): a rank holds
+        1/world of the gradient between a group's batches, as it does between steps: accumulation costs
+        no more than that share, and memory is what it is for (more tokens per step than one pack fits).
+        The price is each unit's reduce-scatter once per batch instead of once per group (autograd
+        sums a layer's gradients over the TTT steps before FSDP sees them: one reduce-scatter per unit
+        and backward)."""
         batch = micro.batch
         device_batch = {k: v.to(self.local_rank, non_blocking=True) if isinstance(v, torch.Tensor) else v
                         for k, v in batch.items()}
@@ -299,8 +304,6 @@ class ProjectTrainer(Trainer):
         if micro.first:
             self.opt.zero_grad()
             self.accumulated = Accumulated()
-        if micro.count > 1 and isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(micro.last)
         (loss / micro.count if micro.count > 1 else loss).backward()
         self.accumulated.add(metrics, batch)
         if micro.last:

@@ -57,12 +57,24 @@ SHARD_SCRIPT = '''
 import sys
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import DTensor
 from common.draft import patch
 from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
 from common.target.config import load_target_info
-from common.train.distributed import FROZEN_UNITS, setup_distributed, shard_draft, teardown_distributed
+from common.train.distributed import FROZEN_UNITS, LAYER_PARTS, setup_distributed, shard_draft, teardown_distributed
 from common.vocab import build_maps
+
+gathers = []  # (pass, the names of the parameters one all-gather gathers)
+all_gather = _fsdp_param_group.foreach_all_gather
+
+def recorded(fsdp_params, *args, **kwargs):
+    gathers.append((phase, sorted(p._param_fqn for p in fsdp_params)))
+    return all_gather(fsdp_params, *args, **kwargs)
+
+_fsdp_param_group.foreach_all_gather = recorded
+phase = "forward"
 
 _, world, rank, _ = setup_distributed()
 patch.apply(trust_remote_code=True, compile_forward=False, activation_checkpointing=sys.argv[2] == 'on')
@@ -75,6 +87,10 @@ torch.manual_seed(0)
 model = build_draft(config, t2d, d2t)
 whole = {name: getattr(model, name).weight.detach().clone() for name in FROZEN_UNITS}
 shard_draft(model, torch.device('cpu'))
+for layer in model.layers:  # the attention and the MLP units of their own; the layer's unit keeps its norms
+    assert all(isinstance(getattr(layer, part), FSDPModule) for part in LAYER_PARTS) and isinstance(layer, FSDPModule)
+    own = {n for n, _ in layer.named_parameters() if not n.startswith(LAYER_PARTS)}
+    assert own and all("norm" in n for n in own), own
 g = torch.Generator().manual_seed(1)
 n, h = 32, info.hidden_size
 batch = {"hidden_states": torch.randn(1, n, 3 * h, generator=g), "input_ids": torch.randint(0, 1000, (1, n), generator=g),
@@ -84,7 +100,12 @@ seen = []  # during the step, after the embedding's first call: is each frozen w
 model.norm.register_forward_pre_hook(lambda *_: seen.append([isinstance(getattr(model, n).weight, DTensor)
                                                              for n in FROZEN_UNITS]))
 _, loss, _ = model(**batch, ttt_steps=2)
+phase = "backward"
 loss.backward()
+units = {tuple(names) for _, names in gathers}
+for part in LAYER_PARTS:  # each part gathered on its own, none with the other or the layer's norms
+    assert any(names and all(n.startswith(f"layers.0.{part}.") for n in names) for names in units), (part, units)
+assert not any("embed_tokens.weight" in names for p, names in gathers if p == "backward"), gathers  # never prefetched
 for name in FROZEN_UNITS:
     weight = getattr(model, name).weight
     assert isinstance(weight, DTensor), (name, type(weight))  # resharded after its call
@@ -103,9 +124,11 @@ teardown_distributed()
 def test_frozen_weights_are_sharded_and_held_whole_only_while_they_run(flat_target, tmp_path):
     """Two gloo ranks: the embedding and verifier lm_head are FSDP units of their own, not the root's,
     which FSDP keeps gathered through the step. During the forward the embedding is sharded again after
-    its lookups, the verifier lm_head stays gathered once read (its loss tiles read it again); after the
+    its lookups, the verifier lm_head stays gathered once read (its loss tiles read it again); the
+    backward never gathers the embedding (FSDP's backward prefetch would, for nothing); after the
     backward both are sharded (each rank half their rows, together the target's weights, no gradient).
-    The same with the checkpointed forward, whose loss is the library forward's."""
+    Each decoder layer's attention and MLP are units of their own, gathered one at a time, the layer's
+    unit holding its norms. The same with the checkpointed forward, whose loss is the library forward's."""
     script = tmp_path / "shard.py"
     script.write_text(SHARD_SCRIPT)
     losses = {}

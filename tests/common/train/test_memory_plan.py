@@ -13,9 +13,11 @@ from common.train.memory_plan import (
     FORWARD_END,
     DraftDims,
     PeakTracker,
+    Step,
     TrainSetup,
     peak_memory,
     phase_breakdowns,
+    sharded_muon_transient,
 )
 from common.train.optimizers import muon_parameters
 
@@ -89,12 +91,51 @@ def test_fsdp_divides_the_state_and_not_the_activations():
     assert eight.activations == one.activations
 
 
-def test_accumulation_under_fsdp_keeps_the_whole_gradient_unless_reduced_every_batch():
-    plain, accumulating = (forward_end(KIMI, gpu(2048, grad_accum=n)) for n in (1, 4))
-    assert plain.gradients == KIMI.trainable * 4 // 8  # the step before's, sharded
-    assert accumulating.gradients == KIMI.trainable * 4  # whole, between a group's batches
-    synced = forward_end(KIMI, gpu(2048, grad_accum=4, accumulate_whole=False))
-    assert synced.gradients == plain.gradients
+def test_accumulation_under_fsdp_holds_only_the_sharded_gradient():
+    """Each batch is reduce-scattered into the sharded gradient: between a group's batches a rank holds
+    its share (as between steps), and the backward that much more than without accumulation."""
+    for checkpointing in (False, True):
+        plain, accumulating = (phase_breakdowns(KIMI, gpu(2048, grad_accum=n, checkpointing=checkpointing))
+                               for n in (1, 4))
+        assert forward_end(KIMI, gpu(2048, grad_accum=4)).gradients == KIMI.trainable * 4 // 8
+        for one, group in zip(plain, accumulating):
+            assert group.total - one.total == group.gradients - one.gradients <= KIMI.trainable * 4 // 8, group.phase
+
+
+def test_fsdp_layer_parts_are_attention_and_mlp():
+    parts = KIMI.layer_parts(0)
+    assert sum(map(sum, parts)) + KIMI.layer_norms(True) == KIMI.layer_params(0)
+    attention, mlp = map(sum, parts)
+    assert attention == 3 * 2 * 7168 * 8192 + 8192 * 7168 and mlp == 3 * 7168 * 18432
+    assert sum(r * c for r, c in KIMI.matrix_shapes()) == KIMI.muon_params
+
+
+def test_the_layers_reduce_scatters_are_its_parts_one_at_a_time():
+    """The first TTT step's backward, from the MLP's reduce-scatter on, over 8 ranks: the attention still
+    whole with its gradients, the MLP's retained all-gather output, the MLP's bf16 gradients, their fp32
+    copy and this rank's share; a layer of one unit would hold the whole layer's."""
+    step = Step.of(KIMI, gpu(2048, checkpointing=True))
+    attention, mlp = map(sum, KIMI.layer_parts(0))
+    assert step.reduce_scatter() == 4 * attention + 2 * mlp + mlp * (2 + 4) + mlp * 4 // 8
+    whole = KIMI.layer_params(0)
+    assert step.reduce_scatter() < whole * (2 + 2 + 4) + whole * 4 // 8
+
+
+def test_gathers_keep_the_previous_all_gather_output_over_ranks_only():
+    one, eight = (Step.of(KIMI, gpu(2048, ranks=r, fsdp=True)) for r in (1, 8))
+    attention, mlp = KIMI.layer_parts(0)
+    assert eight.layer_gather == (sum(attention) + 2 * sum(mlp)) * 2 and eight.retained == sum(mlp) * 2
+    assert one.layer_gather == max(sum(attention) + max(attention), sum(mlp) + max(mlp)) * 2 and one.retained == 0
+
+
+def test_sharded_muon_gathers_the_matrices_a_rank_owns():
+    """One rank owns every matrix; over 8, each of Kimi-K2.5's 8 matrices has a rank of its own."""
+    shapes = KIMI.matrix_shapes()
+    one = sharded_muon_transient(KIMI, 1)
+    assert one >= KIMI.muon_params * (4 + 2 + 2 + 2 + 2)
+    eight = sharded_muon_transient(KIMI, 8)
+    largest = max(r * c for r, c in shapes)
+    assert KIMI.muon_params * 8 // 8 + 2 * largest * 2 < eight < one / 4
 
 
 def test_checkpointing_keeps_a_fraction_of_the_kimi_step():

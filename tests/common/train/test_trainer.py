@@ -215,18 +215,19 @@ ACCUMULATE_SCRIPT = '''
 import copy
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 import torch
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
 from helpers import packed_batch
 from common.draft import patch
 from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
 from common.target.config import load_target_info
+from common.train import distributed
 from common.train.distributed import setup_distributed, teardown_distributed
 from common.train.settings import TrainSettings
 from common.train.trainer import ProjectTrainer, trainer_config
 from common.vocab import build_maps
-from test_trainer import Batches
+from test_trainer import Batches, mean_loss_steps
 
 _, world, rank, _ = setup_distributed()
 patch.apply(trust_remote_code=True, compile_forward=False)
@@ -238,40 +239,48 @@ config = speculator_config(read_config_file(TINY_CONFIG).model, info, 200, info.
 torch.manual_seed(0)
 draft = build_draft(config, t2d, d2t)
 settings = TrainSettings(lr=5e-3, epochs=1, grad_accum=2, optimizer="adamw")
-batches = [packed_batch(10 * rank + i) for i in range(2)]  # each rank its own two
+batches = {r: [packed_batch(10 * r + i) for i in range(2)] for r in range(world)}  # each rank its own two
+# fp32 compute under FSDP (04 gathers bf16 weights), so that the step compares with one fp32 process
+distributed.MIXED_PRECISION = MixedPrecisionPolicy()
 syncs = []
-set_sync = FSDPModule.set_requires_gradient_sync
+FSDPModule.set_requires_gradient_sync = lambda self, sync, **kwargs: syncs.append(sync)
+held = []  # after each batch: is every gradient this rank's shard (a row-sharded DTensor of the shard's shape)?
+train_step = ProjectTrainer.train_step
 
-def recorded(self, sync, **kwargs):
-    syncs.append(sync)
-    set_sync(self, sync, **kwargs)
+def checked_step(self, micro, epoch):
+    train_step(self, micro, epoch)
+    params = [p for p in self.model.parameters() if p.requires_grad]
+    held.append(all(isinstance(p.grad, DTensor) and tuple(p.grad.placements) == (Shard(0),)
+                    and p.grad.to_local().shape == p.to_local().shape for p in params))
 
-def trained(sync_every_batch: bool) -> dict:
-    FSDPModule.set_requires_gradient_sync = (lambda self, sync, **kwargs: None) if sync_every_batch else recorded
-    trainer = ProjectTrainer(copy.deepcopy(draft), trainer_config(settings, Path(sys.argv[2]), False, True,
-                                                                  torch.device("cpu")),
-                             settings, Batches(batches), None, None)
-    trainer.train_epoch(0)
-    assert trainer.global_step == 1
-    return {name: (p.full_tensor(), p.grad.full_tensor()) for name, p in trainer.model.named_parameters()
-            if p.grad is not None}
-
-accumulated, synced = trained(False), trained(True)
-assert syncs == [False, True], syncs  # the gradients reduce-scattered once, after the group's last batch
-assert accumulated.keys() == synced.keys() and "fc.weight" in accumulated
-for name, (weight, grad) in accumulated.items():
-    torch.testing.assert_close(grad, synced[name][1], rtol=1e-5, atol=1e-7, msg=name)  # the clipped mean gradient
-    torch.testing.assert_close(weight, synced[name][0], rtol=0, atol=1e-5, msg=name)
-assert not torch.equal(accumulated["fc.weight"][0], draft.fc.weight)
+ProjectTrainer.train_step = checked_step
+trainer = ProjectTrainer(copy.deepcopy(draft), trainer_config(settings, Path(sys.argv[2]), False, True,
+                                                              torch.device("cpu")),
+                         settings, Batches(batches[rank]), None, None)
+trainer.train_epoch(0)
+assert trainer.global_step == 1
+assert syncs == [], syncs  # every batch reduce-scattered: no exchange put off
+assert held == [True, True], held  # no rank holds a whole gradient between a group's batches
+# one process, one step on the mean loss of the 4 batches (each rank's 2, FSDP averaging the ranks)
+reference, _ = mean_loss_steps(draft, settings, [[b for r in range(world) for b in batches[r]]])
+ours = dict(trainer.model.named_parameters())
+assert "fc.weight" in ours
+for name, theirs in reference.named_parameters():
+    p = ours[name]
+    if theirs.grad is not None:  # the clipped gradient of the mean loss
+        torch.testing.assert_close(p.grad.full_tensor(), theirs.grad, rtol=1e-4, atol=1e-7, msg=name)
+    torch.testing.assert_close(p.full_tensor(), theirs, rtol=0, atol=1e-5, msg=name)
+assert not torch.equal(ours["fc.weight"].full_tensor(), draft.fc.weight)
 print(f"rank {rank} ok")
 teardown_distributed()
 '''
 
 
-def test_under_fsdp_a_group_is_reduced_once_to_the_update_of_reducing_every_batch(flat_target, tmp_path):
-    """Two gloo ranks, --grad-accum 2: the gradients of a group's first batch stay whole on each rank
-    (`set_requires_gradient_sync(False)`) and the group's sum is reduce-scattered after its last; the
-    weights after the step are those of a run that reduce-scatters after every batch."""
+def test_under_fsdp_each_batch_is_reduce_scattered_to_the_step_of_the_mean_loss(flat_target, tmp_path):
+    """Two gloo ranks, --grad-accum 2: each batch's gradients are reduce-scattered as its backward makes
+    them, into the sharded gradient (no `set_requires_gradient_sync(False)`): after each batch every
+    gradient is this rank's shard, none whole. The step is one process's on the mean loss of the four
+    batches, gradients and weights (FSDP computing in fp32 here, so that the two compare)."""
     script = tmp_path / "accumulate.py"
     script.write_text(ACCUMULATE_SCRIPT)
     tests = Path(__file__).resolve().parents[2]
