@@ -93,7 +93,7 @@ class VllmSettings:
     """A prefill-only hidden-state server's engine settings."""
 
     max_num_batched_tokens: int = 4096  # the prefill batch: 2 conversations of 2,048 tokens
-    max_model_len: int = SAMPLE_TOKENS + 1
+    max_model_len: int = SAMPLE_TOKENS  # the longest sample; the server asks vLLM for one token more
     max_num_seqs: int = 16
 
     @property
@@ -101,6 +101,7 @@ class VllmSettings:
         return 2 * self.max_num_batched_tokens  # the batch prefilling and the next one admitted
 
     def flags(self, kv_cache_bytes: int) -> str:
+        """scripts/serve_hidden_states.py's flags (its --max-model-len is the longest sample's tokens)."""
         return (f"--enforce-eager --max-num-batched-tokens {self.max_num_batched_tokens} "
                 f"--max-num-seqs {self.max_num_seqs} --max-model-len {self.max_model_len} "
                 f"--kv-cache-memory-bytes {kv_cache_bytes}")
