@@ -53,6 +53,7 @@ from common.target.config import load_target_info
 from common.trackers import add_report_args, resolve_report_to
 from common.train.checkpoints import check_resumable, check_same_settings, last_checkpoint_note, split_warning
 from common.train.distributed import leave_rank, setup_distributed, teardown_distributed
+from common.train.host_memory import keep_freed_memory
 from common.train.metrics import LOG_FILE, MetricsLog, metrics_logging
 from common.train.settings import TrainSettings, flag_specs
 from common.train.summary import export_chosen, report_run
@@ -122,6 +123,8 @@ def train(args: argparse.Namespace, world_size: int, rank: int, distributed: boo
         say(line)
     resolve_report_to(settings.report_to, say=lambda *_: None)  # a tracker not installed is refused here, not late
     device = torch.device(default_device(None if distributed else args.device))  # torchrun: one GPU per rank
+    if device.type == "cpu":
+        keep_freed_memory()  # the step's [tokens x vocabulary] tensors reuse freed memory (common/train/host_memory.py)
     patch.apply(trust_remote_code=trust_remote_code, compile_forward=device.type == "cuda" and not args.no_compile,
                 loss=settings.loss, target_temperature=settings.target_temperature,
                 activation_checkpointing=settings.activation_checkpointing)

@@ -91,32 +91,34 @@ def missing_message() -> str:
     return f"upstream variants skipped: no {UPSTREAM_PYTHON.parent.parent.name}/ (create it: bash {SETUP})"
 
 
-def tiny_settings() -> TrainSettings:
-    """04's training settings of configs/draft_tiny.json (the bench's budget)."""
-    return TrainSettings.resolve(read_config_file(TINY_CONFIG), {})[0]
+def tiny_settings(config: Path = TINY_CONFIG) -> TrainSettings:
+    """04's training settings of the draft config `config` (configs/draft_tiny.json: the bench's budget)."""
+    return TrainSettings.resolve(read_config_file(config), {})[0]
 
 
-def split(run_dir: Path) -> Split:
-    """04's split of the run's hidden states under configs/draft_tiny.json's settings."""
-    settings = tiny_settings()
+def split(run_dir: Path, config: Path = TINY_CONFIG) -> Split:
+    """04's split of the run's hidden states under the settings of `config` (configs/draft_tiny.json)."""
+    settings = tiny_settings(config)
     data = load_hidden_states(run_dir / "hidden_states")
     train, val = split_data(data, settings)
     return Split(data, train, val, settings)
 
 
-def convert_data(run_dir: Path, target: Path) -> Path:
+def convert_data(run_dir: Path, target: Path, config: Path = TINY_CONFIG) -> Path:
+    """The run's states and vocabulary in upstream's layout, the draft shape and split of `config`
+    (converted once per run folder)."""
     out = run_dir / DATA_DIR
     if (out / CONVERSION).is_file():
         return out
     from datasets import Dataset  # imported late: only the upstream rows need it
 
-    s = split(run_dir)
+    s = split(run_dir, config)
     if s.data.config.storage != "bf16":
         raise SystemExit(f"upstream variants: hidden states stored as {s.data.config.storage}; only bf16 is converted")
     info = load_target_info(target, trust_remote_code=True)  # the miniatures, or a target the user passed
     norm, _ = final_norm_of(info)  # 02's reader of it (flat or nested checkpoints)
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
-    shape = read_config_file(TINY_CONFIG).model
+    shape = read_config_file(config).model
     layers = speculator_config(shape, info, vocab.d2t.numel(), s.data.config.layer_ids, s.settings.ttt_steps)
     order = s.train + s.val
 
@@ -149,13 +151,13 @@ def convert_data(run_dir: Path, target: Path) -> Path:
 
 
 def train_flags(data_dir: Path, target: Path, out: Path, seed: int, lr: float | None,
-                epochs: int | None = None) -> list[str]:
-    """04's budget (configs/draft_tiny.json; `lr` and `epochs` in place of its own) in upstream's
-    flags; `seed` is its initialisation's and packing order's (the split is fixed by the conversion).
+                epochs: int | None = None, config: Path = TINY_CONFIG) -> list[str]:
+    """04's budget (the draft config `config`, configs/draft_tiny.json; `lr` and `epochs` in place of
+    its own) in upstream's flags; `seed` is its initialisation's and packing order's (the split is fixed by the conversion).
     Paths are absolute: the trainer runs in `out`."""
     data_dir, target, out = data_dir.resolve(), Path(target).resolve(), out.resolve()
     conversion = json.loads((data_dir / CONVERSION).read_text())
-    settings = tiny_settings()
+    settings = tiny_settings(config)
     return ["--verifier-name-or-path", str(target), "--data-path", str(data_dir),
             "--draft-config", str(data_dir / LAYER_CONFIG),
             "--target-layer-ids", *map(str, conversion["layer_ids"]),
@@ -200,11 +202,11 @@ def run_trainer(out: Path, args: list[str]) -> Path:
 
 
 def timed_epochs(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], epochs: int,
-                 seed: int = 0) -> list[float]:
-    """Seconds of each training epoch of a fresh upstream run of `epochs` epochs into `out`
-    (bench/bench_04_train.py)."""
+                 seed: int = 0, config: Path = TINY_CONFIG) -> list[float]:
+    """Seconds of each training epoch of a fresh upstream run of `epochs` epochs into `out`, the
+    budget of the draft config `config` (bench/bench_04_train.py)."""
     seconds = out.resolve() / "epoch_seconds.json"  # the trainer runs in `out`
-    run_trainer(out, [*train_flags(data_dir, target, out, seed, None, epochs), *flags,
+    run_trainer(out, [*train_flags(data_dir, target, out, seed, None, epochs, config), *flags,
                       "--epoch-seconds", str(seconds)])
     return json.loads(seconds.read_text())
 

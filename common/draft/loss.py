@@ -10,7 +10,9 @@ for the loss to sum. `DraftLoss.compute_metrics` computes the softmax, the targe
 argmax once per batch and slices them per step (softmax and argmax work row by row, so a row's values
 are the same), and masks per token after summing over the vocabulary. The gradients are bitwise the
 library's (the same products in the same order: see `kl_loss`); the loss value it logs differs from
-the library's by float rounding of the sum. It also offers the losses aimed at acceptance itself
+the library's by float rounding of the sum. Eager, the KL loss of TTT steps after the first reads
+the draft's logits unsliced, its targets padded with rows of zeros instead (`kl_loss_aligned`): the
+same bits without the [tokens x vocabulary] zeros and copy the slice's backward writes per step. It also offers the losses aimed at acceptance itself
 (`LOSSES`, defined in `divergence`), which 0.3.0 lacks, and a temperature for the verifier's
 distribution (see `verifier_targets`).
 
@@ -34,31 +36,47 @@ LOSSES = ("kl", "tv", "lk", "lk-hybrid", "jsd", "rkl")
 LK_HYBRID_ETA = 3.0  # the LK paper's best hybrid setting (arXiv 2602.23881), upstream's default
 OVERLAP_FLOOR = 1e-5  # -log of the overlap is taken at no less than this (upstream's `_NLA_EPS`)
 LOG_P_LOSSES = ("jsd", "rkl")  # the losses that read the verifier's log-softmax
+# Rows of zeros after the KL loss's targets: TTT steps 1..PAD_ROWS read theirs without slicing the draft's
+# logits (see `kl_loss_aligned`); a later step slices them, as the library does.
+PAD_ROWS = 8
 
 
 class VerifierTargets(NamedTuple):
     """What every TTT step of one batch reads from the verifier's logits [1, T, V]: their softmax,
     the per-token sum of p log p (the KL divergence's entropy term), the argmax, and (for the
-    losses that need it) their log-softmax."""
+    losses that need it) their log-softmax. `p_rows`, where made: the softmax followed by
+    `pad_rows` rows of zeros ([1, T + pad_rows, V], `p` its first T rows), so that TTT step k reads
+    its targets as the view `p_rows[:, k:k + T]`, aligned with all T of the draft's logits."""
 
     p: torch.Tensor
     p_log_p: torch.Tensor
     ids: torch.Tensor
     log_p: torch.Tensor | None
+    p_rows: torch.Tensor | None = None
 
 
-def verifier_targets(logits: torch.Tensor, name: str = "kl", temperature: float = 1.0) -> VerifierTargets:
+def verifier_targets(logits: torch.Tensor, name: str = "kl", temperature: float = 1.0,
+                     pad_rows: int = 0) -> VerifierTargets:
     """The targets of one batch for the loss `name`, from the verifier's distribution at
     `temperature`: p = softmax(logits / T). Below 1 it is sharpened toward the verifier's argmax, the
     token that decides acceptance where the draft proposes its own argmax (vLLM's default draft
     sampling: the rejection sampler then accepts it with the verifier's probability of it, at any
     serving temperature), while keeping the rest of the distribution's ranking. The argmax, and so
-    the accuracies, do not depend on T."""
+    the accuracies, do not depend on T. `pad_rows` > 0 (eager, [1, T, V] logits): the softmax is
+    written into the first rows of `p_rows`, zeros after them (see `VerifierTargets`), in the logits'
+    dtype: the same bits as a softmax of its own."""
     scaled = logits if temperature == 1.0 else logits / temperature
-    p = torch.softmax(scaled, dim=-1)
+    p_rows = None
+    if pad_rows > 0:
+        batch, rows, vocab = scaled.shape
+        p_rows = scaled.new_empty(batch, rows + pad_rows, vocab)
+        p_rows[:, rows:].zero_()
+        p = torch.softmax(scaled, dim=-1, out=p_rows[:, :rows])  # a contiguous view: the softmax's own bits
+    else:
+        p = torch.softmax(scaled, dim=-1)
     return VerifierTargets(p=p, p_log_p=torch.special.xlogy(p, p).sum(-1),  # [1, T]; 0 where p underflows to 0
                            ids=torch.argmax(logits, dim=-1),
-                           log_p=torch.log_softmax(scaled, dim=-1) if name in LOG_P_LOSSES else None)
+                           log_p=torch.log_softmax(scaled, dim=-1) if name in LOG_P_LOSSES else None, p_rows=p_rows)
 
 
 def mean_denominator(loss_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | int:
@@ -87,6 +105,22 @@ def kl_loss(logits: torch.Tensor, p: torch.Tensor, p_log_p: torch.Tensor, loss_m
     mask multiplies the same scalar on either side, so the gradients are the same bits."""
     cross = (p * F.log_softmax(logits, dim=-1)).sum(-1)  # [1, T']
     return masked_mean(p_log_p - cross, loss_mask, denominator)
+
+
+def kl_loss_aligned(logits: torch.Tensor, t: VerifierTargets, step: int, loss_mask: torch.Tensor | None,
+                    denominator: torch.Tensor | int | None = None) -> torch.Tensor:
+    """`kl_loss` of TTT step `step` (>= 1) over all T of the draft's logits [1, T, V], unsliced:
+    the library's `align_for_step` takes `logits[:, :-step]`, whose backward writes the gradient
+    into a new [T, V] tensor of zeros (a fill and a copy of T x V floats per step). Here the
+    log-softmax of every row is multiplied by the targets' view `t.p_rows[:, step:step + T]`,
+    whose last `step` rows are zeros, and the per-token sums are sliced instead ([1, T]). Each
+    of the first T - step rows is the same row operations on the same values, so the loss is the
+    same bits as `kl_loss` of the sliced logits, and so is each row's gradient; the last rows get
+    zeros (0 x 0), as the slice's backward gives them."""
+    total = logits.shape[1]
+    p = t.p_rows[:, step:step + total]
+    cross = (p * F.log_softmax(logits, dim=-1)).sum(-1)[:, :total - step]  # [1, T - step]
+    return masked_mean(t.p_log_p[:, step:] - cross, loss_mask, denominator)
 
 
 def divergence(name: str, logits: torch.Tensor, t: VerifierTargets, step: int) -> torch.Tensor:
@@ -183,7 +217,10 @@ class DraftLoss:
             return verifier_targets(logits, self.name, self.target_temperature)
         if self._targets is None or self._targets[0]() is not logits:
             self._targets = None  # the last batch's are freed before the new ones are made
-            self._targets = (weakref.ref(logits), verifier_targets(logits, self.name, self.target_temperature))
+            # KL in plain precision (under autocast the softmax is made in its own dtype, as before)
+            plain = self.name == "kl" and logits.dim() == 3 and not torch.is_autocast_enabled(logits.device.type)
+            pad = PAD_ROWS if plain else 0
+            self._targets = (weakref.ref(logits), verifier_targets(logits, self.name, self.target_temperature, pad))
         return self._targets[1]
 
     def compute_metrics(self, logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None,
@@ -194,7 +231,10 @@ class DraftLoss:
         t = self.targets_of(targets)
         s_logits, _, s_loss_mask, s_prev_correct = library_core.align_for_step(logits, targets, loss_mask,
                                                                                prev_correct, ttt_step)
-        s_loss = ttt_step_loss_decay**ttt_step * step_loss(self.name, s_logits, t, ttt_step, s_loss_mask)
+        if t.p_rows is not None and 0 < ttt_step <= t.p_rows.shape[1] - t.p.shape[1]:
+            s_loss = ttt_step_loss_decay**ttt_step * kl_loss_aligned(logits, t, ttt_step, s_loss_mask)
+        else:
+            s_loss = ttt_step_loss_decay**ttt_step * step_loss(self.name, s_logits, t, ttt_step, s_loss_mask)
         full_acc, cond_acc = accuracy(s_logits, t.ids[:, ttt_step:], s_loss_mask, s_prev_correct)
         return s_loss, {f"loss_{ttt_step}": s_loss.detach().clone(), f"full_acc_{ttt_step}": full_acc,
                         f"cond_acc_{ttt_step}": cond_acc}

@@ -12,6 +12,7 @@ from helpers import draft_inputs, installed_loss, make_draft
 from speculators.models.eagle3 import core as eagle3_core
 from torch.distributions import Categorical, kl_divergence
 
+from common.draft import loss as loss_module
 from common.draft import patch
 from common.draft.loss import LOSSES, DraftLoss
 
@@ -75,6 +76,40 @@ def test_loss_once_per_batch_equals_the_library_s_on_extreme_logits():
         our_grad, = torch.autograd.grad(ours[0], logits)
         their_grad, = torch.autograd.grad(theirs[0], logits)
         assert torch.equal(our_grad, their_grad)
+
+
+@pytest.mark.parametrize("pad_rows", [loss_module.PAD_ROWS, 1], ids=["padded", "later-steps-sliced"])
+def test_kl_of_unsliced_logits_is_the_sliced_kl_bitwise(pad_rows, monkeypatch):
+    """TTT steps after the first read the draft's logits whole against targets padded with rows of
+    zeros (`kl_loss_aligned`): the loss and every row's gradient are the bits of the KL of the sliced
+    logits (`kl_loss`, the library's alignment), the rows without a target get zeros. Steps past
+    the padding (`pad_rows` 1: step 2) slice as before."""
+    monkeypatch.setattr(loss_module, "PAD_ROWS", pad_rows)
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(1, 50, 70, generator=g).mul(3).requires_grad_()
+    targets = torch.randn(1, 50, 70, generator=g) * 4
+    mask = (torch.rand(1, 50, generator=g) > 0.3).long()
+    draft_loss = DraftLoss("kl", 0.5)
+    assert draft_loss.targets_of(targets).p_rows.shape == (1, 50 + pad_rows, 70)
+    for step in range(3):
+        ours, _ = draft_loss.compute_metrics(logits, targets, mask, mask.bool().clone(), step, 0.8)
+        t = loss_module.verifier_targets(targets, "kl", 0.5)  # unpadded
+        sliced = 0.8**step * loss_module.kl_loss(logits[:, :50 - step], t.p[:, step:], t.p_log_p[:, step:],
+                                                  mask[:, step:])
+        assert torch.equal(ours, sliced), step
+        our_grad, = torch.autograd.grad(ours, logits)
+        sliced_grad, = torch.autograd.grad(sliced, logits)
+        assert torch.equal(our_grad, sliced_grad), step
+        assert not our_grad[:, 50 - step:].any()
+
+
+def test_kl_under_autocast_keeps_its_unpadded_targets():
+    """Under autocast the softmax is made in autocast's dtype: no padded buffer in the logits' dtype."""
+    targets = torch.randn(1, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert DraftLoss("kl").targets_of(targets).p_rows is None
+    assert DraftLoss("kl").targets_of(targets).p_rows is not None
+    assert DraftLoss("tv").targets_of(targets).p_rows is None  # the other losses slice as before
 
 
 def reference_divergence(name: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
