@@ -61,6 +61,7 @@ from torch.utils._pytree import tree_flatten
 
 from common.draft.forward import TILE_TOKENS
 from common.draft.model import DraftShape
+from common.train.optimizers import assign_owners, ns_cost
 
 FP32, BF16, INT64 = 4, 2, 8
 OPTIMIZERS = ("muon", "adamw")
@@ -386,12 +387,18 @@ def static_terms(dims: DraftDims, setup: TrainSetup) -> Static:
                   (dims.embedding + dims.verifier_head) * FP32 // r, gathered)
 
 
-def batch_bytes(dims: DraftDims, setup: TrainSetup) -> int:
-    """The collated batch on the device: states in fp32, input ids, loss mask and positions in int64;
-    FSDP's root casts the states to bf16 on the way in (fc keeps its cast input for its weight's
-    gradient), as does autocast for fc's input in one bf16 process."""
+def collated_bytes(dims: DraftDims, setup: TrainSetup) -> int:
+    """The collated batch: states in fp32, input ids, loss mask and positions in int64."""
     t = setup.total_seq_len
-    states = t * 4 * dims.hidden * FP32 + 3 * t * INT64
+    return t * 4 * dims.hidden * FP32 + 3 * t * INT64
+
+
+def batch_bytes(dims: DraftDims, setup: TrainSetup) -> int:
+    """The collated batch on the device (`collated_bytes`); FSDP's root casts the states to bf16 on the
+    way in (fc keeps its cast input for its weight's gradient), as does autocast for fc's input in one
+    bf16 process."""
+    t = setup.total_seq_len
+    states = collated_bytes(dims, setup)
     if setup.sharded:
         states += t * 4 * dims.hidden * BF16
     elif setup.precision == "bf16":
@@ -666,7 +673,7 @@ def phase_breakdowns(dims: DraftDims, setup: TrainSetup) -> list[MemoryBreakdown
     p = 0 if setup.checkpointing else c.tokens_x_vocab * c.d.softmax  # DraftLoss keeps the batch's p
     # the batch's states and ids stay the step's locals (ProjectTrainer.train_step); on CPUs patch keeps
     # its dense mask for the next batch
-    batch = setup.total_seq_len * (4 * dims.hidden * FP32 + 3 * INT64)
+    batch = collated_bytes(dims, setup)
     mask = mask_saved(c.d, setup.total_seq_len, setup.ttt_steps - 1)
     return [*phases, c.at(OPTIMIZER_STEP, gathered=0, batch=batch, targets=p,
                           transient=mask + optimizer_transient(dims, setup))]
@@ -698,8 +705,6 @@ def sharded_muon_transient(dims: DraftDims, ranks: int) -> int:
     received back (bf16), and for each matrix it owns the whole update gathered and the padded result
     it scatters (bf16, both kept by their requests to the step's end); while it orthogonalises one, the
     Newton-Schulz iteration's two iterates of that matrix and its two Gram matrices (bf16)."""
-    from common.train.optimizers import assign_owners, ns_cost
-
     shapes = dims.matrix_shapes()
     chunks = [-(-rows // ranks) * cols for rows, cols in shapes]  # each rank's rows, padded to one chunk
     shared = sum(chunks) * (FP32 + 2 * BF16)
