@@ -53,17 +53,13 @@ from pathlib import Path
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from bench.bench_04_recipe import prepare, target_args
-from bench.bench_04_recipe import run as run_stage
+from bench.bench_04_recipe import prepare, resolve, target_args
 from bench.upstream import adapter as upstream
 from common.atomic import write_json
-from common.cli import REAL_TARGETS, builtin_target
 from common.defaults import REPO_ROOT
 from common.draft import patch
-from common.draft.model import TINY_CONFIG, build_draft, default_config, read_config_file, speculator_config
+from common.draft.model import TINY_CONFIG, build_draft, read_config_file, speculator_config
 from common.hidden_states.loader import epoch_tokens, load_hidden_states, make_loader, split_data
-from common.miniatures.targets import ensure_target
-from common.prepare.sharegpt import fetch_sharegpt
 from common.target.config import load_target_info
 from common.train import trainer as project_trainer
 from common.train.host_memory import keep_freed_memory
@@ -265,39 +261,11 @@ def profile_04(run_dir: Path, target: Path, config: Path, out: Path) -> Profile:
     return profile
 
 
-def resolve(target_name: str, config: Path | None) -> tuple[Path, Path]:
-    """(target folder, draft config): a miniature, the built-in real target (its own config), or a folder."""
-    if target_name in ("flat", "kimi"):
-        target = ensure_target(target_name)
-    elif target_name in REAL_TARGETS and not Path(target_name).exists():
-        target = builtin_target(target_name)
-    else:
-        target = Path(target_name)
-    default = default_config(target_name) if target_name in REAL_TARGETS else TINY_CONFIG
-    return target, (config or default).resolve()
-
-
-def prepare_run(run_dir: Path, target_name: str, target: Path, config: Path, conversations: int) -> None:
-    """01 -> 02 -> 03 once into `run_dir`: bench_04_recipe's demo run for the miniatures and folders;
-    for a built-in real target the first `conversations` ShareGPT conversations and the draft
-    config's vocabulary size."""
-    if target_name not in REAL_TARGETS:
-        prepare(run_dir, target)
-        return
-    if (run_dir / "vocab" / "d2t.pt").is_file():
-        return
-    source, _ = fetch_sharegpt(conversations, seed=0, out=run_dir / f"sharegpt_{conversations}.jsonl")
-    common = ["--run-dir", run_dir, *target_args(target)]
-    run_stage("01_prepare_data.py", *common, "--input", source)
-    run_stage("02_extract_hidden_states.py", *common)
-    run_stage("03_build_vocab_map.py", *common, "--draft-vocab-size", str(read_config_file(config).model.draft_vocab_size))
-
-
 def run(target_name: str, run_dir: Path, repeats: int, with_upstream: bool, setup_upstream: bool = False,
         config: Path | None = None, tracker_ratio: bool = True, conversations: int = 8) -> dict:
     target, config = resolve(target_name, config)
     run_dir = run_dir.resolve()
-    prepare_run(run_dir, target_name, target, config, conversations)
+    prepare(run_dir, target_name, target, config, conversations=conversations)
     if with_upstream and not upstream.available() and setup_upstream:
         subprocess.run(["bash", str(REPO_ROOT / upstream.SETUP)], cwd=REPO_ROOT, check=True)
     if with_upstream and not upstream.available():

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from common.atomic import write_dir, write_json
 from common.defaults import REPO_ROOT
-from common.draft.model import TINY_CONFIG, WEIGHTS_FILE, export_draft, read_config_file, speculator_config
+from common.draft.model import WEIGHTS_FILE, export_draft, read_config_file, speculator_config
 from common.extract.vllm_engine import final_norm_of
 from common.hidden_states.loader import SPLIT_FILE, HiddenStateData, load_hidden_states, split_data, split_record
 from common.target.config import load_target_info
@@ -91,20 +91,20 @@ def missing_message() -> str:
     return f"upstream variants skipped: no {UPSTREAM_PYTHON.parent.parent.name}/ (create it: bash {SETUP})"
 
 
-def tiny_settings(config: Path = TINY_CONFIG) -> TrainSettings:
-    """04's training settings of the draft config `config` (configs/draft_tiny.json: the bench's budget)."""
+def config_settings(config: Path) -> TrainSettings:
+    """04's training settings of the draft config `config` (the bench's budget)."""
     return TrainSettings.resolve(read_config_file(config), {})[0]
 
 
-def split(run_dir: Path, config: Path = TINY_CONFIG) -> Split:
-    """04's split of the run's hidden states under the settings of `config` (configs/draft_tiny.json)."""
-    settings = tiny_settings(config)
+def split(run_dir: Path, config: Path) -> Split:
+    """04's split of the run's hidden states under the settings of the draft config `config`."""
+    settings = config_settings(config)
     data = load_hidden_states(run_dir / "hidden_states")
     train, val = split_data(data, settings)
     return Split(data, train, val, settings)
 
 
-def convert_data(run_dir: Path, target: Path, config: Path = TINY_CONFIG) -> Path:
+def convert_data(run_dir: Path, target: Path, config: Path) -> Path:
     """The run's states and vocabulary in upstream's layout, the draft shape and split of `config`
     (converted once per run folder)."""
     out = run_dir / DATA_DIR
@@ -151,13 +151,13 @@ def convert_data(run_dir: Path, target: Path, config: Path = TINY_CONFIG) -> Pat
 
 
 def train_flags(data_dir: Path, target: Path, out: Path, seed: int, lr: float | None,
-                epochs: int | None = None, config: Path = TINY_CONFIG) -> list[str]:
-    """04's budget (the draft config `config`, configs/draft_tiny.json; `lr` and `epochs` in place of
-    its own) in upstream's flags; `seed` is its initialisation's and packing order's (the split is fixed by the conversion).
+                epochs: int | None, config: Path) -> list[str]:
+    """04's budget (the draft config `config`; `lr` and `epochs` in place of its own) in upstream's flags;
+    `seed` is its initialisation's and packing order's (the split is fixed by the conversion).
     Paths are absolute: the trainer runs in `out`."""
     data_dir, target, out = data_dir.resolve(), Path(target).resolve(), out.resolve()
     conversion = json.loads((data_dir / CONVERSION).read_text())
-    settings = tiny_settings(config)
+    settings = config_settings(config)
     return ["--verifier-name-or-path", str(target), "--data-path", str(data_dir),
             "--draft-config", str(data_dir / LAYER_CONFIG),
             "--target-layer-ids", *map(str, conversion["layer_ids"]),
@@ -178,12 +178,12 @@ def last_checkpoint(out: Path) -> Path | None:
 
 
 def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int, lr: float | None,
-          epochs: int | None = None) -> Path:
+          epochs: int | None, config: Path) -> Path:
     """Upstream's trainer on CPU; it resumes from its own checkpoints when run again."""
     done = last_checkpoint(out)
-    if done is not None and int(done.name) == (epochs or tiny_settings().epochs) - 1:
+    if done is not None and int(done.name) == (epochs or config_settings(config).epochs) - 1:
         return done
-    return run_trainer(out, [*train_flags(data_dir, target, out, seed, lr, epochs), *flags])
+    return run_trainer(out, [*train_flags(data_dir, target, out, seed, lr, epochs, config), *flags])
 
 
 def run_trainer(out: Path, args: list[str]) -> Path:
@@ -202,7 +202,7 @@ def run_trainer(out: Path, args: list[str]) -> Path:
 
 
 def timed_epochs(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], epochs: int,
-                 seed: int = 0, config: Path = TINY_CONFIG) -> list[float]:
+                 config: Path, seed: int = 0) -> list[float]:
     """Seconds of each training epoch of a fresh upstream run of `epochs` epochs into `out`, the
     budget of the draft config `config` (bench/bench_04_train.py)."""
     seconds = out.resolve() / "epoch_seconds.json"  # the trainer runs in `out`
@@ -211,16 +211,16 @@ def timed_epochs(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...]
     return json.loads(seconds.read_text())
 
 
-def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int) -> Path:
-    """The checkpoint as a 04 draft folder (its config as 04 writes it for this shape; its split
-    record names the run's `seed`)."""
+def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int, config: Path) -> Path:
+    """The checkpoint as a 04 draft folder (its config as 04 writes it for the draft config `config`'s
+    shape; its split record names the run's `seed`)."""
     saved = json.loads((checkpoint / "config.json").read_text())
     if saved.get("fc_norm"):
         raise SystemExit(f"{checkpoint}: fc_norm set; 04's draft format has no such norms")
-    s = split(run_dir)
+    s = split(run_dir, config)
     info = load_target_info(target, trust_remote_code=True)  # the miniatures, or a target the user passed
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
-    shape = replace(read_config_file(TINY_CONFIG).model, norm_before_fc=bool(saved.get("norm_before_fc")),
+    shape = replace(read_config_file(config).model, norm_before_fc=bool(saved.get("norm_before_fc")),
                     norm_output=bool(saved.get("norm_output")))
     config = speculator_config(shape, info, vocab.d2t.numel(), s.data.config.layer_ids, s.settings.ttt_steps)
     state = {k: v for k, v in load_file(str(checkpoint / WEIGHTS_FILE)).items() if k not in DROPPED}
@@ -235,10 +235,10 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int) 
 
 
 def train_and_export(run_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int,
-                     lr: float | None = None, epochs: int | None = None) -> Path:
-    """OUT/draft, trained by upstream with `seed` (and `lr` and `epochs`, default the config's; the
-    data converted once for all variants)."""
+                     lr: float | None, epochs: int | None, config: Path) -> Path:
+    """OUT/draft, trained by upstream with `seed` on the draft config `config`'s shape and budget (`lr`
+    and `epochs` in place of its own when given; the data converted once for all variants)."""
     print(f"{out.name}: speculators 0.9.0 {' '.join(flags) or '(its defaults)'}, seed {seed}, lr {lr or 'of the config'}"
           f", epochs {epochs or 'of the config'}", flush=True)
-    checkpoint = train(convert_data(run_dir, target), target, out, flags, seed, lr, epochs)
-    return export(run_dir, target, checkpoint, out, seed)
+    checkpoint = train(convert_data(run_dir, target, config), target, out, flags, seed, lr, epochs, config)
+    return export(run_dir, target, checkpoint, out, seed, config)

@@ -1,17 +1,18 @@
-"""Run upstream speculators' own trainer (`python -m speculators.train`, 0.9.0) on CPU.
+"""Run upstream speculators' own trainer (`python -m speculators.train`, 0.9.0) on CPU or one GPU.
 
     .venv-speculators/bin/python bench/upstream/train.py [--trainable-lm-head] [--epoch-seconds FILE]
         SPECULATORS_TRAIN_FLAGS...
 
 Run by bench/upstream/adapter.py in upstream's environment (scripts/setup_speculators_env.sh),
 never imported by the project: it needs speculators 0.9.0, which cannot share a process with 04's
-0.3.0. Its installed files are not edited; the few things that assume a GPU are patched here, in
-this process only, before its entry point runs:
+0.3.0. Its installed files are not edited; with no CUDA device, the few things that assume a GPU are
+patched here, in this process only, before its entry point runs (on a GPU it runs on CUDA device 0
+as it is):
 
 - the Trainer moves the model and every batch to `get_local_rank()` (CUDA device 0): a CPU device;
 - its step timer calls `torch.accelerator.synchronize()`, which fails without an accelerator: a no-op.
 
-The caller passes the rest as flags: `--draft-attn-impl sdpa` (FlexAttention's block masks need
+The caller passes the rest as flags, on either device: `--draft-attn-impl sdpa` (FlexAttention's block masks need
 CUDA), `--loss-implementation eager` (the fused loss is a Triton kernel), `--hidden-states-dtype
 float32` (CPU autocast to bf16 is slow and would differ from 04's fp32 training), `--num-workers 0`.
 
@@ -35,20 +36,26 @@ TRAINABLE_LM_HEAD = "--trainable-lm-head"
 EPOCH_SECONDS = "--epoch-seconds"
 
 
-def patch_for_cpu(trainable_lm_head: bool) -> None:
-    from speculators.train import cli, trainer
+def patch_for_cpu() -> None:
+    from speculators.train import trainer
 
     trainer.get_local_rank = lambda: "cpu"  # Trainer: self.model.to(local_rank), batch.to(local_rank)
     torch.accelerator.synchronize = lambda *_args, **_kwargs: None  # _StepTimer marks; nothing to wait for on CPU
-    if trainable_lm_head:
-        build = cli.build_draft_model
 
-        def build_with_trainable_head(*args: Any, **kwargs: Any) -> Any:
-            model = build(*args, **kwargs)
-            model.lm_head.weight.requires_grad_(True)  # the optimizer is built from requires_grad parameters
-            return model
 
-        cli.build_draft_model = build_with_trainable_head
+def train_lm_head() -> None:
+    """The draft lm_head trained: its `requires_grad` set after upstream builds the draft (the optimizer
+    is built from requires_grad parameters)."""
+    from speculators.train import cli
+
+    build = cli.build_draft_model
+
+    def build_with_trainable_head(*args: Any, **kwargs: Any) -> Any:
+        model = build(*args, **kwargs)
+        model.lm_head.weight.requires_grad_(True)
+        return model
+
+    cli.build_draft_model = build_with_trainable_head
 
 
 def time_epochs(path: Path) -> None:
@@ -69,8 +76,10 @@ def time_epochs(path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    trainable_lm_head = TRAINABLE_LM_HEAD in argv
-    patch_for_cpu(trainable_lm_head)
+    if not torch.cuda.is_available():
+        patch_for_cpu()
+    if TRAINABLE_LM_HEAD in argv:
+        train_lm_head()
     if EPOCH_SECONDS in argv:
         i = argv.index(EPOCH_SECONDS)
         time_epochs(Path(argv[i + 1]))
