@@ -179,7 +179,7 @@ def last_checkpoint(out: Path) -> Path | None:
 
 def train(data_dir: Path, target: Path, out: Path, flags: tuple[str, ...], seed: int, lr: float | None,
           epochs: int | None, config: Path) -> Path:
-    """Upstream's trainer on CPU; it resumes from its own checkpoints when run again."""
+    """Upstream's trainer (bench/upstream/train.py); it resumes from its own checkpoints when run again."""
     done = last_checkpoint(out)
     if done is not None and int(done.name) == (epochs or config_settings(config).epochs) - 1:
         return done
@@ -222,14 +222,14 @@ def export(run_dir: Path, target: Path, checkpoint: Path, out: Path, seed: int, 
     vocab = load_vocab(run_dir / "vocab", info.vocab_size)
     shape = replace(read_config_file(config).model, norm_before_fc=bool(saved.get("norm_before_fc")),
                     norm_output=bool(saved.get("norm_output")))
-    config = speculator_config(shape, info, vocab.d2t.numel(), s.data.config.layer_ids, s.settings.ttt_steps)
+    speculator = speculator_config(shape, info, vocab.d2t.numel(), s.data.config.layer_ids, s.settings.ttt_steps)
     state = {k: v for k, v in load_file(str(checkpoint / WEIGHTS_FILE)).items() if k not in DROPPED}
     whole = vocab.d2t.numel() == info.vocab_size  # upstream then keeps no maps, as export_draft writes none
     if any(not torch.equal(state[k], v) if k in state else not whole for k, v in (("d2t", vocab.d2t), ("t2d", vocab.t2d))):
         raise SystemExit(f"{checkpoint}: its vocabulary maps are not {run_dir / 'vocab'}'s")
     with tempfile.TemporaryDirectory(dir=out) as tmp:  # what export_draft reads: a folder with model.safetensors
         save_file(state, str(Path(tmp) / WEIGHTS_FILE), metadata={"format": "pt"})
-        return export_draft(Path(tmp), config, out / "draft",
+        return export_draft(Path(tmp), speculator, out / "draft",
                             {SPLIT_FILE: split_record(s.data, s.train, s.val, replace(s.settings, seed=seed), out / "draft"),
                              "upstream_checkpoint.json": {"checkpoint": str(checkpoint), "config": saved}})
 

@@ -12,8 +12,8 @@ as it is):
 - the Trainer moves the model and every batch to `get_local_rank()` (CUDA device 0): a CPU device;
 - its step timer calls `torch.accelerator.synchronize()`, which fails without an accelerator: a no-op.
 
-The caller passes the rest as flags, on either device: `--draft-attn-impl sdpa` (FlexAttention's block masks need
-CUDA), `--loss-implementation eager` (the fused loss is a Triton kernel), `--hidden-states-dtype
+The caller passes the rest as flags, on either device: `--draft-attn-impl sdpa` (FlexAttention's
+block masks need CUDA), `--loss-implementation eager` (the fused loss is a Triton kernel), `--hidden-states-dtype
 float32` (CPU autocast to bf16 is slow and would differ from 04's fp32 training), `--num-workers 0`.
 
 `--trainable-lm-head` (ours, not upstream's) trains the draft lm_head, which upstream freezes at the
